@@ -1,0 +1,41 @@
+// Autocast for convbias::forward: under torch.autocast the op casts its floating-point inputs to the autocast
+// dtype, exactly as conv2d does (conv2d is on autocast's lower-precision list for CUDA and CPU).
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+namespace convbias {
+namespace {
+
+template <c10::DeviceType device_type, c10::DispatchKey autocast_key>
+at::Tensor forward_autocast(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding,
+    c10::SymIntArrayRef dilation,
+    c10::SymInt groups) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("convbias::forward", "")
+                             .typed<at::Tensor(
+                                 const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                 c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymInt)>();
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
+  const at::ScalarType to = at::autocast::get_lower_precision_fp_from_device_type(device_type);
+  return op.call(
+      at::autocast::cached_cast(to, input, device_type), at::autocast::cached_cast(to, weight, device_type),
+      at::autocast::cached_cast(to, bias, device_type), stride, padding, dilation, std::move(groups));
+}
+
+} // namespace
+
+TORCH_LIBRARY_IMPL(convbias, AutocastCUDA, m) {
+  m.impl("forward", &forward_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
+}
+
+TORCH_LIBRARY_IMPL(convbias, AutocastCPU, m) {
+  m.impl("forward", &forward_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
+}
+
+} // namespace convbias

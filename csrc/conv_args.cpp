@@ -1,0 +1,160 @@
+#include "conv_args.h"
+
+#include <c10/util/Exception.h>
+
+#include <sstream>
+#include <string>
+
+namespace convbias {
+namespace {
+
+// Python's spelling of a dtype ("torch.float32"), so that the messages read the same from C++ and Python.
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kLong: return "torch.int64";
+    case at::kInt: return "torch.int32";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+void check_rank4(const char* op, const char* name, const char* layout, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(
+      t.dim() == 4, op, ": expected `", name, "` to be a 4-D tensor ", layout, ", got a ", t.dim(),
+      "-D tensor of shape ", t.sizes());
+}
+
+void check_like_input(const char* op, const char* name, const at::Tensor& t, const at::Tensor& input) {
+  TORCH_CHECK_TYPE(
+      t.scalar_type() == input.scalar_type(), op, ": expected `", name, "` to have the dtype of `input` (",
+      dtype_name(input.scalar_type()), "), got ", dtype_name(t.scalar_type()));
+  TORCH_CHECK_VALUE(
+      t.device() == input.device(), op, ": expected `", name, "` on the device of `input` (", input.device(),
+      "), got ", t.device());
+}
+
+void check_pair(const char* op, const char* name, at::IntArrayRef v, int64_t lowest, const char* what) {
+  TORCH_CHECK_VALUE(v.size() == 2, op, ": expected `", name, "` to have 2 elements (height, width), got ", v.size());
+  TORCH_CHECK_VALUE(
+      v[0] >= lowest && v[1] >= lowest, op, ": expected every `", name, "` element to be ", what, ", got ", v);
+}
+
+ConvParams check_conv_args(
+    const char* op,
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups) {
+  check_rank4(op, "input", "(N, C, H, W)", input);
+  check_rank4(op, "weight", "(out_channels, in_channels / groups, kH, kW)", weight);
+  TORCH_CHECK_TYPE(
+      is_supported_float(input.scalar_type()), op,
+      ": expected `input` to have a floating-point dtype (torch.float16, torch.bfloat16, torch.float32 or "
+      "torch.float64), got ",
+      dtype_name(input.scalar_type()));
+  check_like_input(op, "weight", weight, input);
+  check_pair(op, "stride", stride, 1, "positive");
+  check_pair(op, "padding", padding, 0, "non-negative");
+  check_pair(op, "dilation", dilation, 1, "positive");
+  TORCH_CHECK_VALUE(groups > 0, op, ": expected `groups` to be positive, got ", groups);
+
+  const int64_t channels = input.size(1);
+  const int64_t out_channels = weight.size(0);
+  TORCH_CHECK_VALUE(
+      channels % groups == 0, op, ": expected `groups` (", groups, ") to divide the input channels (", channels,
+      ")");
+  TORCH_CHECK_VALUE(
+      out_channels % groups == 0, op, ": expected `groups` (", groups,
+      ") to divide the output channels weight.size(0) (", out_channels, ")");
+  TORCH_CHECK_VALUE(
+      weight.size(1) * groups == channels, op, ": expected `weight`.size(1) to be input channels / groups = ",
+      channels, " / ", groups, " = ", channels / groups, ", got ", weight.size(1), " (weight shape ",
+      weight.sizes(), ")");
+  TORCH_CHECK_VALUE(
+      weight.size(2) > 0 && weight.size(3) > 0, op, ": expected `weight` to have a non-empty kernel, got shape ",
+      weight.sizes());
+
+  for (int d = 0; d < 2; ++d) {
+    const int64_t padded = input.size(2 + d) + 2 * padding[d];
+    const int64_t dilated_kernel = dilation[d] * (weight.size(2 + d) - 1) + 1;
+    TORCH_CHECK_VALUE(
+        dilated_kernel <= padded, op, ": the kernel of `weight` (", weight.size(2), "x", weight.size(3),
+        ", dilation ", dilation, ") spans ", dilated_kernel, " along ", d == 0 ? "H" : "W",
+        ", more than the padded input (", input.size(2 + d), " + 2 * ", padding[d], " = ", padded, ")");
+  }
+  return ConvParams{{stride[0], stride[1]}, {padding[0], padding[1]}, {dilation[0], dilation[1]}, groups};
+}
+
+} // namespace
+
+ConvParams check_forward_args(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups) {
+  constexpr const char* op = "convbias.forward";
+  ConvParams params = check_conv_args(op, input, weight, stride, padding, dilation, groups);
+  if (bias.has_value() && bias->defined()) {
+    check_like_input(op, "bias", *bias, input);
+    TORCH_CHECK_VALUE(
+        bias->dim() == 1 && bias->size(0) == weight.size(0), op, ": expected `bias` of shape [", weight.size(0),
+        "] (out_channels = weight.size(0)), got shape ", bias->sizes());
+  }
+  return params;
+}
+
+ConvParams check_param_grad_args(
+    const at::Tensor& grad_output,
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups) {
+  constexpr const char* op = "convbias.param_grad";
+  ConvParams params = check_conv_args(op, input, weight, stride, padding, dilation, groups);
+  check_like_input(op, "grad_output", grad_output, input);
+  const auto expected = output_size(input, weight, params);
+  TORCH_CHECK_VALUE(
+      grad_output.sizes() == at::IntArrayRef(expected), op, ": expected `grad_output` of shape ",
+      at::IntArrayRef(expected), " (the forward's output shape), got ", grad_output.sizes());
+  return params;
+}
+
+std::array<int64_t, 4> output_size(const at::Tensor& input, const at::Tensor& weight, const ConvParams& p) {
+  std::array<int64_t, 4> out{input.size(0), weight.size(0), 0, 0};
+  for (int d = 0; d < 2; ++d) {
+    const int64_t dilated_kernel = p.dilation[d] * (weight.size(2 + d) - 1) + 1;
+    out[2 + d] = (input.size(2 + d) + 2 * p.padding[d] - dilated_kernel) / p.stride[d] + 1;
+  }
+  return out;
+}
+
+bool is_channels_last(const at::Tensor& t) {
+  return t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast) && !t.is_contiguous();
+}
+
+at::MemoryFormat output_memory_format(const at::Tensor& input, const at::Tensor& weight) {
+  return is_channels_last(input) || is_channels_last(weight) ? at::MemoryFormat::ChannelsLast
+                                                             : at::MemoryFormat::Contiguous;
+}
+
+} // namespace convbias

@@ -1,0 +1,54 @@
+// Public C++ API of torch_convbias for LibTorch programs (no Python needed): link against the library
+// (torch_convbias/_C*.so) and call these. They go through the PyTorch dispatcher, so they run the same
+// kernels, autocast and autograd as torch.ops.convbias.* from Python.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+#include <tuple>
+
+namespace convbias {
+
+// F.conv2d(input, weight, bias, stride, padding, dilation, groups), bias fused into the convolution.
+inline at::Tensor forward(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("convbias::forward", "")
+                             .typed<at::Tensor(
+                                 const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                 c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymInt)>();
+  return op.call(
+      input, weight, bias, c10::fromIntArrayRefSlow(stride), c10::fromIntArrayRefSlow(padding),
+      c10::fromIntArrayRefSlow(dilation), c10::SymInt(groups));
+}
+
+// (grad_weight, grad_bias) of forward for the given grad_output; output_mask says which to compute.
+inline std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad(
+    const at::Tensor& grad_output,
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    std::array<bool, 2> output_mask = {true, true}) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("convbias::param_grad", "")
+          .typed<std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef,
+              c10::SymIntArrayRef, c10::SymInt, std::array<bool, 2>)>();
+  return op.call(
+      grad_output, input, weight, c10::fromIntArrayRefSlow(stride), c10::fromIntArrayRefSlow(padding),
+      c10::fromIntArrayRefSlow(dilation), c10::SymInt(groups), output_mask);
+}
+
+} // namespace convbias

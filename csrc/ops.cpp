@@ -1,0 +1,19 @@
+// The one place where the convbias operators are declared. Kernels live in cpu/, cuda/ and autocast.cpp;
+// fake (meta) kernels and autograd are registered from Python (torch_convbias/ops.py).
+#include <torch/library.h>
+
+#include "build_info.h"
+
+TORCH_LIBRARY(convbias, m) {
+  // F.conv2d(input, weight, bias, stride, padding, dilation, groups), bias fused into the convolution.
+  m.def(
+      "forward(Tensor input, Tensor weight, Tensor? bias, SymInt[2] stride, SymInt[2] padding, "
+      "SymInt[2] dilation, SymInt groups) -> Tensor");
+  // Gradients of forward's parameters: output_mask = (weight, bias) says which to compute; the others are None.
+  // grad_weight has weight's shape and memory format; grad_bias has shape [out_channels].
+  m.def(
+      "param_grad(Tensor grad_output, Tensor input, Tensor weight, SymInt[2] stride, SymInt[2] padding, "
+      "SymInt[2] dilation, SymInt groups, bool[2] output_mask) -> (Tensor? grad_weight, Tensor? grad_bias)");
+  // [cuDNN version compiled against, cuDNN version loaded at run time, cuDNN frontend version].
+  m.def("_cudnn_versions() -> int[]", &convbias::cudnn_versions);
+}

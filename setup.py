@@ -1,0 +1,158 @@
+"""Build torch_convbias._C, a CUDAExtension, against the installed torch.
+
+The extension always compiles its CUDA side (cuDNN graphs through the cuDNN frontend), also on a machine
+without a GPU, so that CI checks the real code. What it needs, and where it looks:
+
+* CUDA toolkit: ``CUDA_HOME``/``CUDA_PATH``, else ``/usr/local/cuda``, else what torch finds.
+* cuDNN headers and ``libcudnn.so.9``: ``CUDNN_HOME`` (or ``CUDNN_INCLUDE_DIR``/``CUDNN_LIB_DIR``), else the
+  ``nvidia-cudnn-cu1x`` wheel that torch depends on, else ``CUDA_HOME``.
+* cuDNN frontend headers (header-only): ``CUDNN_FRONTEND_INCLUDE_DIR``, else the ``nvidia-cudnn-frontend``
+  package.
+
+When one of them is missing the build stops with a message naming it and how to provide it.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import os
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+
+
+def fail(what: str, how: str) -> None:
+    sys.exit(f"\ntorch_convbias build: {what} not found.\n  {how}\n")
+
+
+def pick_cuda_home() -> None:
+    """torch guesses CUDA_HOME from `which nvcc`; a wrapper script in /usr/local/bin fools it into /usr/local."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    for candidate in ("/usr/local/cuda",):
+        if Path(candidate, "include", "cuda_runtime.h").is_file():
+            os.environ["CUDA_HOME"] = candidate
+            return
+
+
+pick_cuda_home()
+
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension  # noqa: E402
+
+
+def cuda_home() -> Path:
+    if CUDA_HOME is None or not Path(CUDA_HOME, "include", "cuda_runtime.h").is_file():
+        fail("CUDA toolkit (nvcc and include/cuda_runtime.h)", "Install the CUDA toolkit or set CUDA_HOME.")
+    return Path(CUDA_HOME)
+
+
+def installed_package_dir(dist: str, *parts: str) -> Path | None:
+    try:
+        path = Path(str(importlib.metadata.distribution(dist).locate_file(Path(*parts))))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return path if path.exists() else None
+
+
+def cudnn_dirs() -> tuple[Path, Path]:
+    """(include dir, library dir) of cuDNN 9."""
+    include = os.environ.get("CUDNN_INCLUDE_DIR")
+    lib = os.environ.get("CUDNN_LIB_DIR")
+    if os.environ.get("CUDNN_HOME"):
+        home = Path(os.environ["CUDNN_HOME"])
+        include = include or str(home / "include")
+        lib = lib or str(next((home / d for d in ("lib64", "lib") if (home / d).is_dir()), home / "lib"))
+    candidates: list[tuple[Path, Path]] = []
+    if include and lib:
+        candidates.append((Path(include), Path(lib)))
+    for dist in ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12"):
+        wheel = installed_package_dir(dist, "nvidia", "cudnn")
+        if wheel is not None:
+            candidates.append((wheel / "include", wheel / "lib"))
+    home = cuda_home()
+    candidates += [(home / "include", home / d) for d in ("lib64", "lib")]
+    for inc, lib_dir in candidates:
+        if (inc / "cudnn.h").is_file() and glob.glob(str(lib_dir / "libcudnn.so*")):
+            return inc, lib_dir
+    fail(
+        "cuDNN 9 (cudnn.h and libcudnn.so.9)",
+        "pip install the nvidia-cudnn-cu13 wheel (a dependency of CUDA builds of torch), "
+        "or set CUDNN_HOME (or CUDNN_INCLUDE_DIR and CUDNN_LIB_DIR).",
+    )
+    raise AssertionError  # unreachable: fail() exits
+
+
+def cudnn_frontend_include() -> Path:
+    env = os.environ.get("CUDNN_FRONTEND_INCLUDE_DIR")
+    candidates = [Path(env)] if env else []
+    wheel = installed_package_dir("nvidia-cudnn-frontend", "include")
+    if wheel is not None:
+        candidates.append(wheel)
+    for inc in candidates:
+        if (inc / "cudnn_frontend.h").is_file():
+            return inc
+    fail(
+        "cuDNN frontend headers (cudnn_frontend.h)",
+        "pip install nvidia-cudnn-frontend, or set CUDNN_FRONTEND_INCLUDE_DIR to a folder holding cudnn_frontend.h"
+        + (f" (CUDNN_FRONTEND_INCLUDE_DIR={env} has none)" if env else ""),
+    )
+    raise AssertionError
+
+
+def nvrtc_include() -> Path:
+    """The frontend's headers include nvrtc.h (for its runtime-compiled engines); we never call NVRTC ourselves."""
+    candidates = [cuda_home() / "include"]
+    for dist in ("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu13", "nvidia-cuda-nvrtc-cu12"):
+        for sub in (("nvidia", "cu13", "include"), ("nvidia", "cuda_nvrtc", "include")):
+            wheel = installed_package_dir(dist, *sub)
+            if wheel is not None:
+                candidates.append(wheel)
+    for inc in candidates:
+        if (inc / "nvrtc.h").is_file():
+            return inc
+    fail("nvrtc.h (needed by the cuDNN frontend headers)", "Install the full CUDA toolkit or the nvidia-cuda-nvrtc wheel.")
+    raise AssertionError
+
+
+def cudnn_link_args(lib_dir: Path) -> list[str]:
+    """Link libcudnn the way torch does: by soname, since the wheel ships only libcudnn.so.9 (no libcudnn.so)."""
+    sonames = sorted(Path(p).name for p in glob.glob(str(lib_dir / "libcudnn.so*")))
+    soname = "libcudnn.so.9" if "libcudnn.so.9" in sonames else sonames[0]
+    # At run time torch has already loaded libcudnn.so.9 by the time _C is imported; the rpaths cover
+    # LibTorch programs and a wheel install next to nvidia/cudnn.
+    return [
+        f"-L{lib_dir}",
+        f"-l:{soname}",
+        f"-Wl,-rpath,{lib_dir}",
+        "-Wl,-rpath,$ORIGIN/../nvidia/cudnn/lib",
+    ]
+
+
+def extension() -> CUDAExtension:
+    cudnn_include, cudnn_lib = cudnn_dirs()
+    frontend_include = cudnn_frontend_include()
+    # Last, so that a full toolkit's headers win over the wheel's when both exist.
+    extra_includes = [str(nvrtc_include())]
+    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*") if p.suffix in {".cpp", ".cu"})
+    debug = os.environ.get("TORCH_CONVBIAS_DEBUG_BUILD") == "1"
+    opt = ["-O0", "-g"] if debug else ["-O3"]
+    return CUDAExtension(
+        name="torch_convbias._C",
+        sources=sources,
+        include_dirs=[str(ROOT / "csrc"), str(cudnn_include), str(frontend_include), *extra_includes],
+        # The C++ standard is left to torch (C++17 or C++20 depending on its version).
+        extra_compile_args={"cxx": opt, "nvcc": opt},
+        extra_link_args=cudnn_link_args(cudnn_lib),
+        py_limited_api=False,
+    )
+
+
+setup(
+    packages=find_packages(include=["torch_convbias", "torch_convbias.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

@@ -1,0 +1,31 @@
+"""torch_convbias: convolution + bias as one fused cuDNN graph, with cuDNN parameter-gradient graphs.
+
+Public API:
+
+* ``torch.ops.convbias.forward(input, weight, bias, stride, padding, dilation, groups)`` and
+  ``torch.ops.convbias.param_grad(...)``: the operators (differentiable, torch.compile-able);
+* :func:`conv_bias2d` (``torch_convbias.functional``): ``F.conv2d``'s signature;
+* :class:`ConvBias2d`: a drop-in ``nn.Conv2d``; :func:`convert` swaps a model's ``nn.Conv2d`` layers;
+* :class:`ConvBiasFunction`: the same forward/backward as an ``autograd.Function``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from . import _C  # noqa: F401  (registers torch.ops.convbias.*)
+except ImportError as error:  # pragma: no cover - only when the extension was not built
+    raise ImportError(
+        f"torch_convbias: the compiled extension torch_convbias._C could not be loaded ({error}). "
+        "Build it against the installed torch (see README.md: `./dev.sh build`)."
+    ) from error
+
+from . import functional, ops  # noqa: E402  (ops registers fake kernels and autograd)
+from .autograd import ConvBiasFunction  # noqa: E402
+from .diagnostics import versions  # noqa: E402
+from .functional import conv_bias2d  # noqa: E402
+from .nn import ConvBias2d, convert  # noqa: E402
+
+__all__ = ["ConvBias2d", "ConvBiasFunction", "conv_bias2d", "convert", "functional", "ops", "versions"]
+__version__ = "0.1.0"

@@ -1,0 +1,154 @@
+"""Argument checks for the convbias ops, for the fake (meta) kernels.
+
+They mirror ``csrc/conv_args.cpp`` check for check and message for message, so that a bad call fails the same
+way in eager mode (C++ kernels), under ``torch.compile`` (fake tensors) and on meta tensors. Sizes may be
+symbolic (``torch.SymInt``) here: the checks then become guards, as in PyTorch's own meta functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_rank4(op: str, name: str, layout: str, t: torch.Tensor) -> None:
+    if t.dim() != 4:
+        raise ValueError(
+            f"{op}: expected `{name}` to be a 4-D tensor {layout}, got a {t.dim()}-D tensor of shape {list(t.shape)}"
+        )
+
+
+def _check_like_input(op: str, name: str, t: torch.Tensor, input: torch.Tensor) -> None:
+    if t.dtype != input.dtype:
+        raise TypeError(f"{op}: expected `{name}` to have the dtype of `input` ({input.dtype}), got {t.dtype}")
+    if t.device != input.device:
+        raise ValueError(f"{op}: expected `{name}` on the device of `input` ({input.device}), got {t.device}")
+
+
+def _check_pair(op: str, name: str, v: Sequence[int], lowest: int, what: str) -> None:
+    if len(v) != 2:
+        raise ValueError(f"{op}: expected `{name}` to have 2 elements (height, width), got {len(v)}")
+    if not (v[0] >= lowest and v[1] >= lowest):
+        raise ValueError(f"{op}: expected every `{name}` element to be {what}, got {list(v)}")
+
+
+def _check_conv_args(
+    op: str,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> None:
+    _check_rank4(op, "input", "(N, C, H, W)", input)
+    _check_rank4(op, "weight", "(out_channels, in_channels / groups, kH, kW)", weight)
+    if input.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{op}: expected `input` to have a floating-point dtype (torch.float16, torch.bfloat16, torch.float32 "
+            f"or torch.float64), got {input.dtype}"
+        )
+    _check_like_input(op, "weight", weight, input)
+    _check_pair(op, "stride", stride, 1, "positive")
+    _check_pair(op, "padding", padding, 0, "non-negative")
+    _check_pair(op, "dilation", dilation, 1, "positive")
+    if not groups > 0:
+        raise ValueError(f"{op}: expected `groups` to be positive, got {groups}")
+
+    channels, out_channels = input.shape[1], weight.shape[0]
+    if channels % groups != 0:
+        raise ValueError(f"{op}: expected `groups` ({groups}) to divide the input channels ({channels})")
+    if out_channels % groups != 0:
+        raise ValueError(
+            f"{op}: expected `groups` ({groups}) to divide the output channels weight.size(0) ({out_channels})"
+        )
+    if weight.shape[1] * groups != channels:
+        raise ValueError(
+            f"{op}: expected `weight`.size(1) to be input channels / groups = {channels} / {groups} = "
+            f"{channels // groups}, got {weight.shape[1]} (weight shape {list(weight.shape)})"
+        )
+    if not (weight.shape[2] > 0 and weight.shape[3] > 0):
+        raise ValueError(f"{op}: expected `weight` to have a non-empty kernel, got shape {list(weight.shape)}")
+    for d, axis in enumerate("HW"):
+        padded = input.shape[2 + d] + 2 * padding[d]
+        dilated_kernel = dilation[d] * (weight.shape[2 + d] - 1) + 1
+        if dilated_kernel > padded:
+            raise ValueError(
+                f"{op}: the kernel of `weight` ({weight.shape[2]}x{weight.shape[3]}, dilation {list(dilation)}) "
+                f"spans {dilated_kernel} along {axis}, more than the padded input "
+                f"({input.shape[2 + d]} + 2 * {padding[d]} = {padded})"
+            )
+
+
+def check_forward_args(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> None:
+    """Raise ValueError/TypeError naming the offending argument, as convbias::forward's kernels do."""
+    op = "convbias.forward"
+    _check_conv_args(op, input, weight, stride, padding, dilation, groups)
+    if bias is not None:
+        _check_like_input(op, "bias", bias, input)
+        if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"{op}: expected `bias` of shape [{weight.shape[0]}] (out_channels = weight.size(0)), "
+                f"got shape {list(bias.shape)}"
+            )
+
+
+def check_param_grad_args(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> None:
+    """Raise ValueError/TypeError naming the offending argument, as convbias::param_grad's kernels do."""
+    op = "convbias.param_grad"
+    _check_conv_args(op, input, weight, stride, padding, dilation, groups)
+    _check_like_input(op, "grad_output", grad_output, input)
+    expected = output_size(input, weight, stride, padding, dilation)
+    if list(grad_output.shape) != expected:
+        raise ValueError(
+            f"{op}: expected `grad_output` of shape {expected} (the forward's output shape), "
+            f"got {list(grad_output.shape)}"
+        )
+
+
+def output_size(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+) -> list[int]:
+    """(N, K, H_out, W_out) of the convolution, for arguments that passed the checks."""
+    spatial = [
+        (input.shape[2 + d] + 2 * padding[d] - (dilation[d] * (weight.shape[2 + d] - 1) + 1)) // stride[d] + 1
+        for d in range(2)
+    ]
+    return [input.shape[0], weight.shape[0], *spatial]
+
+
+def is_channels_last(t: torch.Tensor) -> bool:
+    """channels_last and not also plainly contiguous (as a tensor with H = W = 1 is): csrc's rule."""
+    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+
+def memory_format_of(t: torch.Tensor) -> torch.memory_format:
+    return torch.channels_last if is_channels_last(t) else torch.contiguous_format
+
+
+def output_memory_format(input: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
+    """F.conv2d's choice: channels_last when the input or the weight is channels_last."""
+    return torch.channels_last if is_channels_last(input) or is_channels_last(weight) else torch.contiguous_format

@@ -1,0 +1,71 @@
+"""``conv_bias2d``: ``torch.nn.functional.conv2d`` with the bias fused into the convolution."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+
+
+def _pair(name: str, value: int | Sequence[int]) -> list[int]:
+    """An int or a sequence of one or two ints as [height, width], as F.conv2d accepts them."""
+    if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+        return [value, value]
+    if isinstance(value, Sequence) and not isinstance(value, str) and len(value) in (1, 2):
+        if all(isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool) for v in value):
+            return [value[0], value[-1]]
+    raise ValueError(f"conv_bias2d: expected `{name}` to be an int or a pair of ints, got {value!r}")
+
+
+def _resolve_string_padding(
+    input: torch.Tensor, weight: torch.Tensor, padding: str, stride: list[int], dilation: list[int]
+) -> tuple[torch.Tensor, list[int]]:
+    """Turn padding='valid'|'same' into symmetric padding, padding the input itself where 'same' needs one more
+    row or column at the end (even effective kernels), as F.conv2d does."""
+    if padding == "valid":
+        return input, [0, 0]
+    if padding != "same":
+        raise ValueError(f"conv_bias2d: expected `padding` to be 'valid', 'same', an int or a pair of ints, got {padding!r}")
+    if stride != [1, 1]:
+        raise ValueError(f"conv_bias2d: padding='same' is not supported for strided convolutions (stride={stride})")
+    if weight.dim() != 4:
+        raise ValueError(
+            f"conv_bias2d: expected `weight` to be a 4-D tensor (out_channels, in_channels / groups, kH, kW), "
+            f"got a {weight.dim()}-D tensor of shape {list(weight.shape)}"
+        )
+    totals = [dilation[d] * (weight.shape[2 + d] - 1) for d in range(2)]
+    before = [total // 2 for total in totals]
+    extra = [total - 2 * b for total, b in zip(totals, before)]  # 0 or 1, added after (bottom, right)
+    if extra != [0, 0]:
+        input = F.pad(input, [0, extra[1], 0, extra[0]])
+    return input, before
+
+
+def conv_bias2d(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: int | Sequence[int] = 1,
+    padding: str | int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+) -> torch.Tensor:
+    """Same signature and result as ``torch.nn.functional.conv2d``, computed by ``torch.ops.convbias.forward``.
+
+    ``input`` is (N, C, H, W) or unbatched (C, H, W); ``padding`` is an int, a (height, width) pair, ``'valid'``
+    or ``'same'``. Differentiable: weight and bias gradients come from ``convbias::param_grad``.
+    """
+    stride = _pair("stride", stride)
+    dilation = _pair("dilation", dilation)
+    unbatched = input.dim() == 3
+    if unbatched:
+        input = input.unsqueeze(0)
+    if isinstance(padding, str):
+        input, padding = _resolve_string_padding(input, weight, padding, stride, dilation)
+    else:
+        padding = _pair("padding", padding)
+    output = ops.forward(input, weight, bias, stride, padding, dilation, groups)
+    return output.squeeze(0) if unbatched else output

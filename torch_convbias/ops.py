@@ -1,0 +1,112 @@
+"""Python-side registrations of the convbias ops: fake kernels and autograd.
+
+The schemas and the CPU/CUDA/autocast kernels are registered in C++ (``csrc/``); importing ``torch_convbias._C``
+loads them. This module adds what torch.compile and autograd need:
+
+* fake kernels (``torch.library.register_fake``) giving the output's shape, dtype, device and memory format;
+* the autograd formula of ``convbias::forward``: weight and bias gradients through ``convbias::param_grad``, the
+  input gradient only when the input needs one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import _validation
+
+forward = torch.ops.convbias.forward
+param_grad = torch.ops.convbias.param_grad
+
+
+@torch.library.register_fake("convbias::forward")
+def _forward_fake(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    _validation.check_forward_args(input, weight, bias, stride, padding, dilation, groups)
+    return torch.empty(
+        _validation.output_size(input, weight, stride, padding, dilation),
+        dtype=input.dtype,
+        device=input.device,
+        memory_format=_validation.output_memory_format(input, weight),
+    )
+
+
+@torch.library.register_fake("convbias::param_grad")
+def _param_grad_fake(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    output_mask: Sequence[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    _validation.check_param_grad_args(grad_output, input, weight, stride, padding, dilation, groups)
+    grad_weight = (
+        torch.empty(
+            weight.shape,
+            dtype=weight.dtype,
+            device=weight.device,
+            memory_format=_validation.memory_format_of(weight),
+        )
+        if output_mask[0]
+        else None
+    )
+    grad_bias = weight.new_empty((weight.shape[0],)) if output_mask[1] else None
+    return grad_weight, grad_bias
+
+
+def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    """Save what backward needs. Shared by the op's autograd and :class:`ConvBiasFunction`."""
+    input, weight, _bias, stride, padding, dilation, groups = inputs
+    ctx.save_for_backward(input, weight)
+    ctx.conv_params = (list(stride), list(padding), list(dilation), groups)
+
+
+def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of convbias::forward: (input, weight, bias) then None for the conv parameters.
+
+    The weight and bias gradients come from convbias::param_grad in one call; the input gradient is computed
+    only when the input requires grad (it never does in layer-by-layer training, where inputs are detached).
+    """
+    input, weight = ctx.saved_tensors
+    stride, padding, dilation, groups = ctx.conv_params
+    needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+    grad_input = grad_weight = grad_bias = None
+    if needs_input:
+        grad_input = torch.ops.aten.convolution_backward(
+            grad_output, input, weight, None, stride, padding, dilation, False, [0, 0], groups, [True, False, False]
+        )[0]
+    if needs_weight or needs_bias:
+        grad_weight, grad_bias = param_grad(
+            grad_output, input, weight, stride, padding, dilation, groups, [needs_weight, needs_bias]
+        )
+    return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def _param_grad_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    pass
+
+
+def _param_grad_backward(ctx: Any, *grads: Any) -> tuple[None, ...]:
+    # Without this, autograd would only warn and return wrong (missing) second-order gradients.
+    raise NotImplementedError(
+        "convbias: double backward (gradients of convbias.param_grad, e.g. autograd.grad(..., create_graph=True) "
+        "through convbias.forward) is not implemented; use torch.nn.functional.conv2d for higher-order gradients"
+    )
+
+
+torch.library.register_autograd("convbias::forward", backward, setup_context=setup_context)
+torch.library.register_autograd(
+    "convbias::param_grad", _param_grad_backward, setup_context=_param_grad_setup_context
+)
