@@ -74,8 +74,10 @@ def convert(model: nn.Module) -> nn.Module:
         if _ineligibility(module) is None:
             result: nn.Module = ConvBias2d.from_conv(module)  # type: ignore[arg-type]
         else:
-            for name, child in list(module.named_children()):
-                setattr(module, name, visit(child))
+            # _modules, not named_children(): the latter skips a module's second name, which must be swapped too.
+            for name, child in list(module._modules.items()):
+                if child is not None:
+                    setattr(module, name, visit(child))
             result = module
         converted[id(module)] = result
         return result

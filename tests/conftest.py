@@ -1,0 +1,68 @@
+"""Shared test settings: devices, numeric modes and their tolerances (written down once, here)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A dtype plus the math flags it runs under. ``tf32`` is float32 with TF32 tensor cores allowed."""
+
+    name: str
+    dtype: torch.dtype
+    tf32: bool
+    # Tolerances relative to the magnitude of the reference: atol is scaled by max(1, max|reference|) since
+    # sums over N*H*W (weight gradients) grow with the problem while their rounding errors grow with them.
+    rtol: float
+    atol: float
+
+
+MODES = {
+    "float64": Mode("float64", torch.float64, False, rtol=1e-7, atol=1e-7),
+    "float32": Mode("float32", torch.float32, False, rtol=1e-5, atol=1e-5),
+    "tf32": Mode("tf32", torch.float32, True, rtol=5e-3, atol=5e-3),
+    "float16": Mode("float16", torch.float16, False, rtol=5e-3, atol=5e-3),
+    "bfloat16": Mode("bfloat16", torch.bfloat16, False, rtol=3e-2, atol=3e-2),
+}
+
+CPU_MODES = ["float64", "float32", "bfloat16"]
+CUDA_MODES = ["float32", "tf32", "float16", "bfloat16"]
+
+
+def device_modes() -> list:
+    """(device, mode) pairs: the CPU reference path and, marked `cuda`, the GPU path."""
+    pairs = [pytest.param("cpu", m, id=f"cpu-{m}") for m in CPU_MODES]
+    pairs += [pytest.param("cuda", m, id=f"cuda-{m}", marks=cuda) for m in CUDA_MODES]
+    return pairs
+
+
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=cuda)]
+
+
+@contextlib.contextmanager
+def math_mode(mode: Mode) -> Iterator[None]:
+    """TF32 on or off for both cuDNN and matmul, restored afterwards."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = mode.tf32
+    torch.backends.cuda.matmul.allow_tf32 = mode.tf32
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def assert_close(actual: torch.Tensor | None, expected: torch.Tensor | None, mode: Mode, what: str = "") -> None:
+    assert (actual is None) == (expected is None), f"{what}: one of actual/expected is None"
+    if actual is None or expected is None:
+        return
+    scale = max(1.0, expected.detach().abs().amax().item()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=mode.rtol, atol=mode.atol * scale, msg=lambda m: f"{what}: {m}")
