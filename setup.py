@@ -17,6 +17,8 @@ from __future__ import annotations
 import glob
 import importlib.metadata
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,7 +41,43 @@ def pick_cuda_home() -> None:
             return
 
 
+def links_libstdcxx_dynamically(compiler: str) -> bool:
+    """Whether `compiler` has a shared libstdc++ to link (else it silently links the static archive)."""
+    try:
+        found = subprocess.run(
+            [compiler, "-print-file-name=libstdc++.so"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    return os.path.isabs(found) and os.path.exists(found)
+
+
+def pick_cxx_compiler() -> None:
+    """Use a C++ compiler that links libstdc++ dynamically.
+
+    A static copy of libstdc++ inside _C clashes with the shared one that torch already loaded (seen crashing
+    on the first number formatted into an error message). Some images set CXX to a private GCC that only has
+    the static archive; then fall back to the system compiler.
+    """
+    configured = os.environ.get("CXX", "c++")
+    if links_libstdcxx_dynamically(configured):
+        return
+    for candidate in ("/usr/bin/g++", "g++", "c++"):
+        path = shutil.which(candidate)
+        if path and links_libstdcxx_dynamically(path):
+            print(f"torch_convbias build: {configured} has no shared libstdc++ to link; using {path} instead")
+            os.environ["CXX"] = path
+            c_compiler = shutil.which(path[: -len("g++")] + "gcc") if path.endswith("g++") else None
+            os.environ["CC"] = c_compiler or path
+            return
+    fail(
+        "a C++ compiler that links libstdc++ dynamically",
+        f"{configured} has only a static libstdc++; set CXX (and CC) to a compiler with libstdc++.so.",
+    )
+
+
 pick_cuda_home()
+pick_cxx_compiler()
 
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension  # noqa: E402
 
@@ -94,6 +132,12 @@ def cudnn_frontend_include() -> Path:
         candidates.append(wheel)
     for inc in candidates:
         if (inc / "cudnn_frontend.h").is_file():
+            if inc.name != "include":
+                # Some frontend headers include "../include/<header>": the folder must keep its name.
+                fail(
+                    f"cuDNN frontend headers in a folder named 'include' ({inc} is named {inc.name!r})",
+                    "Copy the package's include/ folder keeping its name, e.g. to .carry/cudnn_frontend/include.",
+                )
             return inc
     fail(
         "cuDNN frontend headers (cudnn_frontend.h)",

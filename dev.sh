@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One entry point for developers and CI.
+#
+#   ./dev.sh setup   install what is missing, then build the extension (in place, editable)
+#   ./dev.sh test    setup, then run the test suite
+#   ./dev.sh demo    setup, then run the layer-by-layer training demo
+#
+# setup installs only what is missing: on a fresh CPU machine with PyPI, torch 2.14.1, pytest, scikit-learn
+# and the cuDNN frontend headers; on a machine that already has them (a GPU box without network, with
+# CUDNN_FRONTEND_INCLUDE_DIR pointing at carried headers) it installs nothing and only builds.
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=${TORCH_CONVBIAS_TORCH_VERSION:-2.14.1}
+FRONTEND_VERSION=${TORCH_CONVBIAS_FRONTEND_VERSION:-1.32.0}
+
+has_module() { "$PYTHON" -c "import $1" >/dev/null 2>&1; }
+has_dist() { "$PYTHON" -c "import importlib.metadata as m; m.distribution('$1')" >/dev/null 2>&1; }
+
+setup() {
+  local missing=()
+  has_module torch || missing+=("torch==$TORCH_VERSION")
+  has_module pytest || missing+=(pytest)
+  has_module sklearn || missing+=(scikit-learn)
+  if [ -z "${CUDNN_FRONTEND_INCLUDE_DIR:-}" ] && ! has_dist nvidia-cudnn-frontend; then
+    missing+=("nvidia-cudnn-frontend==$FRONTEND_VERSION")
+  fi
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "dev.sh: installing ${missing[*]}"
+    "$PYTHON" -m pip install --quiet "${missing[@]}"
+  fi
+  echo "dev.sh: building torch_convbias._C against torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"
+  MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PYTHON" setup.py --quiet build_ext --inplace
+}
+
+case "${1:-}" in
+  setup) setup ;;
+  test) setup; shift; exec "$PYTHON" -m pytest tests "$@" ;;
+  demo) setup; shift; exec "$PYTHON" examples/layerwise_digits.py "$@" ;;
+  *) sed -n '2,11p' "$0"; exit 2 ;;
+esac
