@@ -1,8 +1,9 @@
 // Autocast for convbias::forward: under torch.autocast the op casts its floating-point inputs to the autocast
 // dtype, exactly as conv2d does (conv2d is on autocast's lower-precision list for CUDA and CPU).
 #include <ATen/autocast_mode.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+
+#include "convbias.h"
 
 namespace convbias {
 namespace {
@@ -16,14 +17,9 @@ at::Tensor forward_autocast(
     c10::SymIntArrayRef padding,
     c10::SymIntArrayRef dilation,
     c10::SymInt groups) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("convbias::forward", "")
-                             .typed<at::Tensor(
-                                 const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                 c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymInt)>();
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
   const at::ScalarType to = at::autocast::get_lower_precision_fp_from_device_type(device_type);
-  return op.call(
+  return forward_symint(
       at::autocast::cached_cast(to, input, device_type), at::autocast::cached_cast(to, weight, device_type),
       at::autocast::cached_cast(to, bias, device_type), stride, padding, dilation, std::move(groups));
 }

@@ -6,12 +6,30 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <array>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 namespace convbias {
 
 // F.conv2d(input, weight, bias, stride, padding, dilation, groups), bias fused into the convolution.
+inline at::Tensor forward_symint(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding,
+    c10::SymIntArrayRef dilation,
+    c10::SymInt groups) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("convbias::forward", "")
+                             .typed<at::Tensor(
+                                 const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                 c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymInt)>();
+  return op.call(input, weight, bias, stride, padding, dilation, std::move(groups));
+}
+
 inline at::Tensor forward(
     const at::Tensor& input,
     const at::Tensor& weight,
@@ -20,12 +38,7 @@ inline at::Tensor forward(
     at::IntArrayRef padding,
     at::IntArrayRef dilation,
     int64_t groups) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("convbias::forward", "")
-                             .typed<at::Tensor(
-                                 const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                 c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymInt)>();
-  return op.call(
+  return forward_symint(
       input, weight, bias, c10::fromIntArrayRefSlow(stride), c10::fromIntArrayRefSlow(padding),
       c10::fromIntArrayRefSlow(dilation), c10::SymInt(groups));
 }

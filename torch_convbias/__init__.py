@@ -18,7 +18,7 @@ try:
 except ImportError as error:  # pragma: no cover - only when the extension was not built
     raise ImportError(
         f"torch_convbias: the compiled extension torch_convbias._C could not be loaded ({error}). "
-        "Build it against the installed torch (see README.md: `./dev.sh build`)."
+        "Build it against the installed torch (see README.md: `./dev.sh setup`)."
     ) from error
 
 from . import functional, ops  # noqa: E402  (ops registers fake kernels and autograd)
