@@ -2,7 +2,7 @@
 // fake (meta) kernels and autograd are registered from Python (torch_convbias/ops.py).
 #include <torch/library.h>
 
-#include "build_info.h"
+#include "diagnostics.h"
 
 TORCH_LIBRARY(convbias, m) {
   // F.conv2d(input, weight, bias, stride, padding, dilation, groups), bias fused into the convolution.
@@ -14,6 +14,14 @@ TORCH_LIBRARY(convbias, m) {
   m.def(
       "param_grad(Tensor grad_output, Tensor input, Tensor weight, SymInt[2] stride, SymInt[2] padding, "
       "SymInt[2] dilation, SymInt groups, bool[2] output_mask) -> (Tensor? grad_weight, Tensor? grad_bias)");
+  // Diagnostics (torch_convbias.explain, cache_info, cache_clear, versions).
+  // The path forward takes for these arguments, as JSON: fused or not, engine, workspace, build time, and
+  // why alternatives were rejected. Builds (and caches) the plan if needed, exactly as forward would.
+  m.def(
+      "_explain(Tensor input, Tensor weight, Tensor? bias, int[2] stride, int[2] padding, int[2] dilation, "
+      "int groups) -> str");
+  m.def("_plan_cache_stats() -> str", &convbias::plan_cache_stats);
+  m.def("_plan_cache_clear() -> ()", &convbias::plan_cache_clear);
   // [cuDNN version compiled against, cuDNN version loaded at run time, cuDNN frontend version].
   m.def("_cudnn_versions() -> int[]", &convbias::cudnn_versions);
 }

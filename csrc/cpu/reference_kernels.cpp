@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "conv_args.h"
+#include "json.h"
 
 namespace convbias {
 
@@ -50,9 +51,23 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_refe
   return {weight_result, bias_result};
 }
 
+// On the CPU every call runs the ATen reference; explain says so (after the same argument checks).
+std::string explain_cpu(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups) {
+  check_forward_args(input, weight, bias, stride, padding, dilation, groups);
+  return JsonObject().str("path", "aten").strings("notes", {"CPU tensors run ATen's convolution (the reference path)"}).dump();
+}
+
 TORCH_LIBRARY_IMPL(convbias, CPU, m) {
   m.impl("forward", &forward_reference);
   m.impl("param_grad", &param_grad_reference);
+  m.impl("_explain", &explain_cpu);
 }
 
 } // namespace convbias

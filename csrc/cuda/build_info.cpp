@@ -1,4 +1,4 @@
-#include "build_info.h"
+#include "diagnostics.h"
 
 #include <cudnn_frontend.h>
 

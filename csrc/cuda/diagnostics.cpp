@@ -1,0 +1,102 @@
+// Diagnostics of the CUDA path: convbias::_explain on CUDA tensors and the plan cache's statistics.
+#include "diagnostics.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "conv_args.h"
+#include "cuda/forward_setup.h"
+#include "json.h"
+
+namespace convbias {
+namespace {
+
+std::string engine_json(const cuda::EngineChoice& e) {
+  std::string timings = "[";
+  for (size_t i = 0; i < e.timings.size(); ++i) {
+    std::ostringstream ms;
+    ms << e.timings[i].second;
+    timings += (i ? ", [" : "[") + json_string(e.timings[i].first) + ", " + ms.str() + "]";
+  }
+  return JsonObject()
+      .str("name", e.engine)
+      .num("workspace_bytes", e.workspace_bytes)
+      .boolean("runtime_compiled", e.runtime_compiled)
+      .num("build_seconds", e.build_seconds)
+      .num("measured_ms", e.measured_ms)
+      .num("heuristic_candidates", e.heuristic_candidates)
+      .num("built", e.built)
+      .raw("timings", timings + "]")
+      .strings("rejected", e.rejected)
+      .dump();
+}
+
+std::string explain_cuda(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups) {
+  const ConvParams params = check_forward_args(input, weight, bias, stride, padding, dilation, groups);
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  JsonObject out;
+  const cuda::MathFlags flags = cuda::current_math_flags();
+  out.raw(
+      "math",
+      JsonObject()
+          .boolean("allow_tf32", flags.allow_tf32)
+          .boolean("deterministic", flags.deterministic)
+          .boolean("benchmark", flags.benchmark)
+          .dump());
+  if (auto reason = cuda::aten_only_reason(input, weight)) {
+    return out.str("path", "aten").strings("notes", {*reason}).dump();
+  }
+  const cuda::PreparedForward prepared = cuda::prepare_forward(input, weight, bias, params);
+  bool cached = false;
+  double build_seconds = 0;
+  const auto plan =
+      cuda::fprop_plan(prepared.problem, prepared.x, prepared.w, prepared.b, prepared.y, &cached, &build_seconds);
+  const auto& a = prepared.problem.alignments;
+  out.str("path", cuda::path_name(plan->path))
+      .str("problem", prepared.problem.describe())
+      .str("layout", prepared.converted_input ? "copied to channels_last" : "channels_last")
+      .str("output", output_memory_format(input, weight) == at::MemoryFormat::ChannelsLast ? "channels_last"
+                                                                                           : "copied to NCHW")
+      .boolean("cached", cached)
+      .num("plan_build_seconds", build_seconds)
+      .boolean("tuned", plan->tuned)
+      .num("fused_ms", plan->fused_ms)
+      .num("unfused_ms", plan->unfused_ms)
+      .raw("alignment", JsonObject().num("input", a[0]).num("weight", a[1]).num("bias", a[2]).num("output", a[3]).dump())
+      .strings("notes", plan->notes);
+  if (plan->path != cuda::FpropPath::Aten) {
+    out.raw("engine", engine_json(plan->engine));
+  }
+  return out.dump();
+}
+
+} // namespace
+
+std::string plan_cache_stats() {
+  const cuda::CacheStats s = cuda::fprop_cache().stats();
+  return JsonObject()
+      .num("hits", s.hits)
+      .num("misses", s.misses)
+      .num("evictions", s.evictions)
+      .num("size", s.size)
+      .num("capacity", s.capacity)
+      .num("build_seconds", s.build_seconds)
+      .dump();
+}
+
+void plan_cache_clear() {
+  cuda::fprop_cache().clear();
+}
+
+TORCH_LIBRARY_IMPL(convbias, CUDA, m) {
+  m.impl("_explain", &explain_cuda);
+}
+
+} // namespace convbias

@@ -1,0 +1,28 @@
+// Turning forward's arguments into the channels_last tensors and the problem the fprop plans work on.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+
+#include "conv_args.h"
+#include "cuda/fprop.h"
+
+namespace convbias::cuda {
+
+// Why a call goes straight to ATen without trying a cuDNN graph, or nullopt.
+std::optional<std::string> aten_only_reason(const at::Tensor& input, const at::Tensor& weight);
+
+struct PreparedForward {
+  at::Tensor x, w; // channels_last (copies when the caller's were not)
+  std::optional<at::Tensor> b; // contiguous, or nullopt
+  at::Tensor y; // the channels_last output, allocated
+  bool converted_input = false; // x or w had to be copied to channels_last
+  FpropProblem problem;
+};
+
+PreparedForward prepare_forward(
+    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params);
+
+} // namespace convbias::cuda

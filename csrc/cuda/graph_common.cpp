@@ -1,0 +1,230 @@
+#include "cuda/graph_common.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <limits>
+
+namespace convbias::cuda {
+
+fe::DataType_t to_frontend_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return fe::DataType_t::HALF;
+    case at::kBFloat16: return fe::DataType_t::BFLOAT16;
+    case at::kFloat: return fe::DataType_t::FLOAT;
+    case at::kDouble: return fe::DataType_t::DOUBLE;
+    default: TORCH_CHECK(false, "convbias: no cuDNN data type for ", t);
+  }
+}
+
+int64_t pointer_alignment(const at::Tensor& t) {
+  const auto address = reinterpret_cast<uintptr_t>(t.data_ptr());
+  int64_t alignment = 16;
+  while (alignment > 1 && address % alignment != 0) {
+    alignment /= 2;
+  }
+  return alignment;
+}
+
+std::string last_cudnn_error() {
+  char message[1024] = {0};
+  cudnnGetLastErrorString(message, sizeof(message));
+  return message;
+}
+
+namespace {
+
+std::string env_or(const char* name, const char* fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? std::string(value) : std::string(fallback);
+}
+
+} // namespace
+
+const Knobs& knobs() {
+  static const Knobs k = [] {
+    Knobs result;
+    const std::string size = env_or("TORCH_CONVBIAS_CACHE_SIZE", "1000");
+    try {
+      result.cache_size = std::stoll(size);
+    } catch (const std::exception&) {
+      TORCH_CHECK_VALUE(false, "TORCH_CONVBIAS_CACHE_SIZE must be a positive integer, got '", size, "'");
+    }
+    TORCH_CHECK_VALUE(result.cache_size > 0, "TORCH_CONVBIAS_CACHE_SIZE must be a positive integer, got ", size);
+    result.allow_runtime_compiled = env_or("TORCH_CONVBIAS_NO_RUNTIME_COMPILATION", "0") != "1";
+    result.path = env_or("TORCH_CONVBIAS_PATH", "auto");
+    TORCH_CHECK_VALUE(
+        result.path == "auto" || result.path == "fused" || result.path == "unfused" || result.path == "aten",
+        "TORCH_CONVBIAS_PATH must be auto, fused, unfused or aten, got '", result.path, "'");
+    result.autotune = env_or("TORCH_CONVBIAS_AUTOTUNE", "auto");
+    TORCH_CHECK_VALUE(
+        result.autotune == "auto" || result.autotune == "off" || result.autotune == "on",
+        "TORCH_CONVBIAS_AUTOTUNE must be auto, off or on, got '", result.autotune, "'");
+    return result;
+  }();
+  return k;
+}
+
+MathFlags current_math_flags() {
+  auto& ctx = at::globalContext();
+  return MathFlags{ctx.allowTF32CuDNN(), ctx.deterministicAlgorithms(), ctx.benchmarkCuDNN()};
+}
+
+void throw_graph_error(const std::string& what, fe::error_t status, const std::string& hint) {
+  const std::string cudnn_message = last_cudnn_error();
+  TORCH_CHECK(
+      false, "convbias: cuDNN rejected ", what, ": ", status.get_message(),
+      cudnn_message.empty() ? "" : " (cuDNN: " + cudnn_message + ")", hint.empty() ? "" : ". Hint: " + hint);
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+bool is_runtime_compiled(fe::graph::Graph& graph, int64_t index) {
+  std::vector<fe::BehaviorNote_t> notes;
+  if (graph.get_behavior_notes_for_plan_at_index(index, notes).is_bad()) {
+    return false;
+  }
+  return std::find(notes.begin(), notes.end(), fe::BehaviorNote_t::RUNTIME_COMPILATION) != notes.end();
+}
+
+void note_rejection(EngineChoice& choice, const std::string& why) {
+  if (choice.rejected.size() < 8) {
+    choice.rejected.push_back(why);
+  }
+}
+
+} // namespace
+
+bool stream_is_capturing() {
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+}
+
+float time_on_stream(const std::function<void()>& fn) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaEvent_t start = nullptr;
+  cudaEvent_t stop = nullptr;
+  C10_CUDA_CHECK(cudaEventCreate(&start));
+  C10_CUDA_CHECK(cudaEventCreate(&stop));
+  float best = std::numeric_limits<float>::infinity();
+  fn();
+  for (int i = 0; i < 3; ++i) {
+    C10_CUDA_CHECK(cudaEventRecord(start, stream));
+    fn();
+    C10_CUDA_CHECK(cudaEventRecord(stop, stream));
+    C10_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    C10_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    best = std::min(best, ms);
+  }
+  C10_CUDA_CHECK(cudaEventDestroy(start));
+  C10_CUDA_CHECK(cudaEventDestroy(stop));
+  return best;
+}
+
+EngineChoice select_engine(
+    fe::graph::Graph& graph,
+    cudnnHandle_t handle,
+    const SelectionPolicy& policy,
+    const std::function<void(int64_t, void*)>& run,
+    c10::Device device) {
+  const auto start = Clock::now();
+  EngineChoice choice;
+  if (auto status = graph.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}); status.is_bad()) {
+    note_rejection(choice, "heuristics: " + status.get_message());
+    choice.build_seconds = seconds_since(start);
+    return choice;
+  }
+  // Filters as PyTorch applies them, per graph: TF32 engines carry TENSOR_CORE on FLOAT graphs.
+  std::vector<fe::NumericalNote_t> excluded;
+  if (policy.float32_io && !policy.flags.allow_tf32) {
+    excluded.push_back(fe::NumericalNote_t::TENSOR_CORE);
+    excluded.push_back(fe::NumericalNote_t::DOWN_CONVERT_INPUTS);
+  }
+  if (policy.flags.deterministic) {
+    excluded.push_back(fe::NumericalNote_t::NONDETERMINISTIC);
+  }
+  if (!excluded.empty()) {
+    graph.deselect_numeric_notes(excluded);
+  }
+  if (!policy.allow_runtime_compiled) {
+    graph.deselect_behavior_notes({fe::BehaviorNote_t::RUNTIME_COMPILATION});
+  }
+
+  const int64_t count = graph.get_execution_plan_count();
+  choice.heuristic_candidates = count;
+  std::vector<int64_t> built;
+  // Precompiled engines first: they build in microseconds, while runtime-compiled ones take 0.05-5 s and
+  // were never the fastest fused engine on the H200; they are tried only when no precompiled one builds.
+  for (int pass = 0; pass < 2 && static_cast<int>(built.size()) < policy.max_candidates; ++pass) {
+    for (int64_t i = 0; i < count && static_cast<int>(built.size()) < policy.max_candidates; ++i) {
+      if (is_runtime_compiled(graph, i) != (pass == 1)) {
+        continue;
+      }
+      if (pass == 1 && !built.empty()) {
+        break;
+      }
+      auto status = graph.build_plan_at_index(i);
+      if (status.is_bad()) {
+        std::string name;
+        (void)graph.get_plan_name_at_index(i, name);
+        note_rejection(choice, (name.empty() ? "plan " + std::to_string(i) : name) + ": " + status.get_message());
+        continue;
+      }
+      built.push_back(i);
+    }
+  }
+  choice.built = static_cast<int64_t>(built.size());
+  if (built.empty()) {
+    choice.build_seconds = seconds_since(start);
+    return choice;
+  }
+
+  auto workspace_of = [&](int64_t index) {
+    int64_t bytes = 0;
+    (void)graph.get_workspace_size_plan_at_index(index, bytes);
+    return bytes;
+  };
+  choice.plan_index = built.front();
+  if (policy.time_candidates && built.size() > 1) {
+    float best = std::numeric_limits<float>::infinity();
+    for (const int64_t index : built) {
+      std::string name;
+      (void)graph.get_plan_name_at_index(index, name);
+      at::Tensor workspace;
+      try {
+        workspace = at::empty({workspace_of(index)}, at::TensorOptions().dtype(at::kByte).device(device));
+      } catch (const c10::OutOfMemoryError&) {
+        note_rejection(choice, name + ": workspace of " + std::to_string(workspace_of(index)) + " bytes: out of memory");
+        continue;
+      }
+      void* workspace_ptr = workspace.data_ptr();
+      const float ms = time_on_stream([&] { run(index, workspace_ptr); });
+      choice.timings.emplace_back(name, ms);
+      if (ms < best) {
+        best = ms;
+        choice.plan_index = index;
+        choice.measured_ms = ms;
+      }
+    }
+  }
+  (void)graph.get_plan_name_at_index(choice.plan_index, choice.engine);
+  choice.workspace_bytes = workspace_of(choice.plan_index);
+  choice.runtime_compiled = is_runtime_compiled(graph, choice.plan_index);
+  choice.build_seconds = seconds_since(start);
+  return choice;
+}
+
+} // namespace convbias::cuda

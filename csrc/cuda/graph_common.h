@@ -1,0 +1,86 @@
+// Pieces shared by every cuDNN graph this extension builds (fused forward now, parameter gradients next):
+// dtype mapping, pointer alignment, error translation, environment knobs, and engine selection with
+// numerical-note filters and optional timing of the top candidates.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <cudnn_frontend.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace convbias::cuda {
+
+namespace fe = cudnn_frontend;
+
+// cuDNN frontend data type of a torch dtype (float16, bfloat16, float32).
+fe::DataType_t to_frontend_dtype(at::ScalarType t);
+
+// Largest power of two (at most 16 bytes) dividing the tensor's data pointer: cuDNN engines assume the
+// alignment the graph was built with, so it is part of the graph and of its cache key.
+int64_t pointer_alignment(const at::Tensor& t);
+
+// cuDNN's own description of its last error (cudnnGetLastErrorString), or "" when it has none.
+std::string last_cudnn_error();
+
+// Environment knobs, read once.
+struct Knobs {
+  int64_t cache_size; // TORCH_CONVBIAS_CACHE_SIZE (plans kept, LRU), default 1000
+  bool allow_runtime_compiled; // TORCH_CONVBIAS_NO_RUNTIME_COMPILATION=1 excludes NVRTC engines
+  std::string path; // TORCH_CONVBIAS_PATH: auto | fused | unfused | aten
+  std::string autotune; // TORCH_CONVBIAS_AUTOTUNE: auto | off | on
+};
+const Knobs& knobs();
+
+// The numerical promises a call makes, from torch's flags at call time.
+struct MathFlags {
+  bool allow_tf32; // torch.backends.cudnn.allow_tf32 (only matters for float32)
+  bool deterministic; // torch.use_deterministic_algorithms(True)
+  bool benchmark; // torch.backends.cudnn.benchmark
+};
+MathFlags current_math_flags();
+
+// The plan picked for a graph, and how it was picked.
+struct EngineChoice {
+  int64_t plan_index = -1;
+  std::string engine; // cuDNN's plan name: engine id and knob choices
+  int64_t workspace_bytes = 0;
+  bool runtime_compiled = false;
+  double build_seconds = 0; // heuristics query and plan builds
+  float measured_ms = -1; // best timing, when candidates were timed
+  int64_t heuristic_candidates = 0; // engine configs heuristics offered (after note filters)
+  int64_t built = 0; // plans that built
+  std::vector<std::string> rejected; // why candidates were dropped (first few)
+  std::vector<std::pair<std::string, float>> timings; // (engine, ms) of each timed candidate
+};
+
+struct SelectionPolicy {
+  bool float32_io; // FLOAT graph: TENSOR_CORE notes mean TF32
+  MathFlags flags;
+  int max_candidates; // plans to build (and time, if `time_candidates`)
+  bool time_candidates;
+  bool allow_runtime_compiled;
+};
+
+// Heuristics (mode A, then FALLBACK), numerical-note filters, then builds plans in heuristic order, preferring
+// precompiled engines, until `max_candidates` built; times them with `run` when asked and keeps the fastest.
+// Returns plan_index -1 (and the reasons in `rejected`) when no plan builds.
+EngineChoice select_engine(
+    fe::graph::Graph& graph,
+    cudnnHandle_t handle,
+    const SelectionPolicy& policy,
+    const std::function<void(int64_t plan_index, void* workspace)>& run,
+    c10::Device device);
+
+// Runs `fn` once to warm up, then three times between CUDA events on the current stream; the best time in ms.
+// Synchronises the stream, so it is only used once per cache key and never during CUDA graph capture.
+float time_on_stream(const std::function<void()>& fn);
+
+// Whether the current stream is capturing a CUDA graph (no synchronisation, no timing allowed then).
+bool stream_is_capturing();
+
+// Throws a c10::Error describing `what` (which graph, its shapes) with the frontend's and cuDNN's messages.
+[[noreturn]] void throw_graph_error(const std::string& what, fe::error_t status, const std::string& hint);
+
+} // namespace convbias::cuda

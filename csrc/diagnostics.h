@@ -1,0 +1,20 @@
+// What the extension was built against, what it runs with, and what its plan cache holds: for
+// torch_convbias.versions(), cache_info() and the doctor.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace convbias {
+
+// {CUDNN_VERSION at build time, cudnnGetVersion() at run time, CUDNN_FRONTEND_VERSION}.
+std::vector<int64_t> cudnn_versions();
+
+// The plan cache's statistics as a JSON object: hits, misses, evictions, size, capacity, build_seconds.
+std::string plan_cache_stats();
+
+// Drops every cached plan and resets the statistics.
+void plan_cache_clear();
+
+} // namespace convbias
