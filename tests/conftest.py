@@ -28,7 +28,9 @@ class Mode:
 
 MODES = {
     "float64": Mode("float64", torch.float64, False, rtol=1e-7, atol=1e-7),
-    "float32": Mode("float32", torch.float32, False, rtol=1e-5, atol=1e-5),
+    # float32 with TF32 off: cuDNN graphs and F.conv2d may pick different algorithms (e.g. Winograd); TF32 would
+    # show errors around 1e-3, well outside this.
+    "float32": Mode("float32", torch.float32, False, rtol=1e-4, atol=1e-4),
     "tf32": Mode("tf32", torch.float32, True, rtol=5e-3, atol=5e-3),
     "float16": Mode("float16", torch.float16, False, rtol=5e-3, atol=5e-3),
     "bfloat16": Mode("bfloat16", torch.bfloat16, False, rtol=3e-2, atol=3e-2),

@@ -6,7 +6,8 @@ Public API:
   ``torch.ops.convbias.param_grad(...)``: the operators (differentiable, torch.compile-able);
 * :func:`conv_bias2d` (``torch_convbias.functional``): ``F.conv2d``'s signature;
 * :class:`ConvBias2d`: a drop-in ``nn.Conv2d``; :func:`convert` swaps a model's ``nn.Conv2d`` layers;
-* :class:`ConvBiasFunction`: the same forward/backward as an ``autograd.Function``.
+* :class:`ConvBiasFunction`: the same forward/backward as an ``autograd.Function``;
+* :func:`explain`, :func:`cache_info`, :func:`cache_clear`, :func:`versions`; ``python -m torch_convbias.doctor``.
 """
 
 from __future__ import annotations
@@ -21,11 +22,23 @@ except ImportError as error:  # pragma: no cover - only when the extension was n
         "Build it against the installed torch (see README.md: `./dev.sh setup`)."
     ) from error
 
-from . import functional, ops  # noqa: E402  (ops registers fake kernels and autograd)
+from . import diagnostics, functional, ops  # noqa: E402  (ops registers fake kernels and autograd)
 from .autograd import ConvBiasFunction  # noqa: E402
-from .diagnostics import versions  # noqa: E402
+from .diagnostics import cache_clear, cache_info, explain, versions  # noqa: E402
 from .functional import conv_bias2d  # noqa: E402
 from .nn import ConvBias2d, convert  # noqa: E402
 
-__all__ = ["ConvBias2d", "ConvBiasFunction", "conv_bias2d", "convert", "functional", "ops", "versions"]
+__all__ = [
+    "ConvBias2d",
+    "ConvBiasFunction",
+    "cache_clear",
+    "cache_info",
+    "conv_bias2d",
+    "convert",
+    "diagnostics",
+    "explain",
+    "functional",
+    "ops",
+    "versions",
+]
 __version__ = "0.1.0"

@@ -1,12 +1,19 @@
-"""What torch_convbias was built against and what it runs with."""
+"""Why a call takes the path it takes, what the plan cache holds, and what the extension runs with."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
+from typing import Any
+
 import torch
+import torch.nn.functional as F
+
+from .functional import _pair, _resolve_string_padding
 
 
 def _version_string(encoded: int) -> str:
-    """cuDNN 9 encodes major*10000 + minor*100 + patch; the frontend major*10000 + minor*100 + patch too."""
+    """cuDNN 9 and the frontend both encode major*10000 + minor*100 + patch."""
     return f"{encoded // 10000}.{encoded // 100 % 100}.{encoded % 100}"
 
 
@@ -20,3 +27,60 @@ def versions() -> dict[str, str | None]:
         "cudnn_loaded": _version_string(loaded),
         "cudnn_frontend": _version_string(frontend),
     }
+
+
+def explain(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: int | Sequence[int] = 1,
+    padding: str | int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+) -> dict[str, Any]:
+    """The path ``conv_bias2d`` with these arguments takes, under the current torch flags.
+
+    Keys: ``path`` (``fused``: one conv+bias graph; ``conv``: the conv graph of a call without bias;
+    ``conv+bias_add``: conv graph then a bias add; ``aten``: ATen's convolution), ``notes`` (why, and why
+    alternatives were rejected) and, on CUDA, ``engine`` (name, workspace, build time, runtime-compiled or not,
+    timings of the candidates, rejections), ``layout``, ``output``, ``alignment``, ``math`` (the flags that
+    select engines), ``cached`` and ``plan_build_seconds``. Builds and caches the plan if needed, exactly as the
+    call would; on CUDA that may run the convolution a few times to time candidates.
+    """
+    stride, dilation = _pair("stride", stride), _pair("dilation", dilation)
+    if isinstance(padding, str):
+        input, padding = _resolve_string_padding(input, weight, padding, stride, dilation)
+    return json.loads(
+        torch.ops.convbias._explain(input, weight, bias, stride, _pair("padding", padding), dilation, groups)
+    )
+
+
+def cache_info() -> dict[str, float]:
+    """Plan cache statistics: hits, misses, evictions, size, capacity (TORCH_CONVBIAS_CACHE_SIZE), and
+    build_seconds (time spent building and timing plans on misses)."""
+    return json.loads(torch.ops.convbias._plan_cache_stats())
+
+
+def cache_clear() -> None:
+    """Drop every cached plan (the next call of each shape builds again) and reset the statistics."""
+    torch.ops.convbias._plan_cache_clear()
+
+
+def self_check(device: str = "cuda") -> tuple[bool, str]:
+    """Run the project's seed case (N=C=H=W=K=16, 3x3, pad 1, fp32, NCHW) against F.conv2d on `device`.
+
+    Returns (passed, a one-line report with the path taken)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 16, 16, 16, generator=g).to(device)
+    w = (torch.randn(16, 16, 3, 3, generator=g) / 12).to(device)
+    b = torch.randn(16, generator=g).to(device)
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        out = torch.ops.convbias.forward(x, w, b, [1, 1], [1, 1], [1, 1], 1)
+        error = (out - F.conv2d(x, w, b, padding=1)).abs().max().item()
+        path = explain(x, w, b, padding=1)["path"]
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    passed = error < 1e-4
+    return passed, f"seed case on {device}: path={path}, max |error| vs F.conv2d = {error:.2e}"

@@ -1,0 +1,337 @@
+"""Helpers shared by the benchmarks: environment record, timing, numeric modes, JSON output, tables.
+
+Timings are medians of per-iteration measurements after warm-up (CUDA events on the GPU, ``perf_counter`` on
+the CPU). Variants that are compared with each other are timed side by side, interleaved in one loop, so that
+clock or thermal drift during a run affects all of them alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Environment
+
+
+def _git(*args: str) -> str | None:
+    """Output of a read-only git command in the repository, or None where git or .git is unavailable."""
+    try:
+        # GIT_OPTIONAL_LOCKS=0: `git status` must not take index.lock while someone else commits.
+        done = subprocess.run(
+            ["git", *args],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+            env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"},
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def git_commit() -> dict[str, Any]:
+    """The commit being measured.
+
+    The GPU machine receives the tree without .git, so the commit can be handed over in the environment
+    variable ``TORCH_CONVBIAS_COMMIT``; ``dirty`` is then unknown (None).
+    """
+    # Only this repository's own .git: a tree copied inside some other checkout must not report that one's commit.
+    commit = _git("rev-parse", "HEAD") if (REPO_ROOT / ".git").exists() else None
+    if commit:
+        status = _git("status", "--porcelain")
+        return {"commit": commit, "dirty": bool(status) if status is not None else None, "commit_source": "git"}
+    from_env = os.environ.get("TORCH_CONVBIAS_COMMIT")
+    if from_env:
+        return {"commit": from_env, "dirty": None, "commit_source": "env:TORCH_CONVBIAS_COMMIT"}
+    return {"commit": "unknown", "dirty": None, "commit_source": "unknown"}
+
+
+def _extension_versions() -> dict[str, Any] | str:
+    """torch_convbias.versions() (cuDNN compiled against / loaded, frontend), or the error that prevented it."""
+    try:
+        import torch_convbias
+
+        return dict(torch_convbias.versions())
+    except Exception as error:  # noqa: BLE001 - an environment record must not fail the benchmark
+        return f"unavailable: {type(error).__name__}: {error}"
+
+
+def _gpu() -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {"gpu": "cpu", "gpu_capability": None, "gpu_memory_gib": None, "gpu_count": 0}
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": torch.cuda.get_device_name(0),
+        "gpu_capability": f"{props.major}.{props.minor}",
+        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+        "gpu_count": torch.cuda.device_count(),
+    }
+
+
+def environment() -> dict[str, Any]:
+    """What a result depends on: commit, GPU, torch/CUDA/cuDNN versions, extension versions, UTC time.
+
+    Deliberately without the host name: results are committed to the repository.
+    """
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {
+        **git_commit(),
+        **_gpu(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": cudnn,
+        "torch_convbias": _extension_versions(),
+        "python": platform.python_version(),
+        "platform": f"{platform.system()}-{platform.machine()}",
+        "cpu_threads": torch.get_num_threads(),
+        "timestamp_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Numeric modes
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A dtype plus the math flags it runs under; ``tf32`` is float32 with TF32 tensor cores allowed.
+
+    Tolerances compare two *different* cuDNN algorithms (each side picks its own, possibly Winograd or FFT with
+    cudnn.benchmark on), so fp32's is looser than the unit tests'. ``atol`` is scaled by max(1, max|reference|).
+    """
+
+    name: str
+    dtype: torch.dtype
+    tf32: bool
+    rtol: float
+    atol: float
+
+
+_MODES: dict[str, Mode] = {
+    "fp32": Mode("fp32", torch.float32, tf32=False, rtol=1e-4, atol=1e-4),
+    "tf32": Mode("tf32", torch.float32, tf32=True, rtol=5e-3, atol=5e-3),
+    "bf16": Mode("bf16", torch.bfloat16, tf32=False, rtol=3e-2, atol=3e-2),
+    "fp16": Mode("fp16", torch.float16, tf32=False, rtol=5e-3, atol=5e-3),
+}
+
+
+def modes() -> dict[str, Mode]:
+    """The numeric modes by name: fp32 (TF32 off), tf32, bf16, fp16."""
+    return dict(_MODES)
+
+
+@contextlib.contextmanager
+def mode_flags(mode: Mode, cudnn_benchmark: bool | None = None) -> Iterator[None]:
+    """Set TF32 (cuDNN and matmul) for ``mode`` and optionally cudnn.benchmark; restore all on exit."""
+    saved = (
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.benchmark,
+    )
+    torch.backends.cudnn.allow_tf32 = mode.tf32
+    torch.backends.cuda.matmul.allow_tf32 = mode.tf32
+    if cudnn_benchmark is not None:
+        torch.backends.cudnn.benchmark = cudnn_benchmark
+    try:
+        yield
+    finally:
+        (
+            torch.backends.cudnn.allow_tf32,
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.benchmark,
+        ) = saved
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Timing
+
+
+def summarize(samples_ms: Sequence[float]) -> dict[str, float | int]:
+    """Median (the reported figure), min, max, mean, quartiles and IQR of per-iteration times."""
+    ordered = sorted(samples_ms)
+    if len(ordered) >= 2:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    else:
+        q1 = q3 = ordered[0]
+    return {
+        "median_ms": statistics.median(ordered),
+        "min_ms": ordered[0],
+        "max_ms": ordered[-1],
+        "mean_ms": statistics.fmean(ordered),
+        "q1_ms": q1,
+        "q3_ms": q3,
+        "iqr_ms": q3 - q1,
+        "iters": len(ordered),
+    }
+
+
+def _rotations(names: Sequence[str], iters: int) -> Iterator[tuple[int, list[str]]]:
+    """Per iteration, the variants in a rotated order, so none always runs right after the same other one."""
+    for i in range(iters):
+        k = i % len(names)
+        yield i, list(names[k:]) + list(names[:k])
+
+
+def _use_cuda(device: str | torch.device | None) -> bool:
+    if device is None:
+        return torch.cuda.is_available()
+    return torch.device(device).type == "cuda"
+
+
+def time_side_by_side(
+    fns: Mapping[str, Callable[[], object]],
+    warmup: int,
+    iters: int,
+    device: str | torch.device | None = None,
+) -> dict[str, dict[str, float | int]]:
+    """Time several variants interleaved: per iteration each runs once, its time measured on its own.
+
+    On CUDA each call sits between two events and the host synchronizes once at the end, so the queue stays
+    full and the events measure GPU time (plus launch gaps where the host cannot keep up, which is real cost
+    for small problems). On the CPU the calls are synchronous and timed with ``perf_counter``.
+    """
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    names = list(fns)
+    cuda = _use_cuda(device)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    if cuda:
+        torch.cuda.synchronize()
+        events = {
+            name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+            for name in names
+        }
+        for i, order in _rotations(names, iters):
+            for name in order:
+                start, end = events[name][i]
+                start.record()
+                fns[name]()
+                end.record()
+        torch.cuda.synchronize()
+        samples = {name: [start.elapsed_time(end) for start, end in events[name]] for name in names}
+    else:
+        samples = {name: [] for name in names}
+        for _, order in _rotations(names, iters):
+            for name in order:
+                begin = time.perf_counter()
+                fns[name]()
+                samples[name].append((time.perf_counter() - begin) * 1e3)
+    return {name: summarize(samples[name]) for name in names}
+
+
+def time_cuda(
+    fn: Callable[[], object], warmup: int, iters: int, device: str | torch.device | None = None
+) -> dict[str, float | int]:
+    """Median and spread of ``fn``'s time per call (CUDA events; ``perf_counter`` on the CPU)."""
+    return time_side_by_side({"fn": fn}, warmup, iters, device)["fn"]
+
+
+def synchronize(device: str | torch.device | None = None) -> None:
+    if _use_cuda(device):
+        torch.cuda.synchronize()
+
+
+def wall_ms(fn: Callable[[], object], device: str | torch.device | None = None) -> tuple[float, object]:
+    """Wall time of one synchronized call (for cold first calls, where events would miss host work)."""
+    synchronize(device)
+    begin = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    return (time.perf_counter() - begin) * 1e3, result
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Statistics, output
+
+
+def geomean(values: Iterable[float | None]) -> float | None:
+    """Geometric mean of the positive finite values; None when there are none (missing ratios are skipped)."""
+    logs = [math.log(v) for v in values if v is not None and math.isfinite(v) and v > 0]
+    return math.exp(statistics.fmean(logs)) if logs else None
+
+
+def to_jsonable(value: Any) -> Any:
+    """Recursively turn torch objects, tuples and non-finite floats into plain JSON (NaN/inf become None)."""
+    if isinstance(value, Mapping):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, torch.Size)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return to_jsonable(value.item())
+    return str(value)
+
+
+def slug(text: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200'."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def result_path(results: Mapping[str, Any], out_dir: str | Path | None, name: str) -> Path:
+    """``<out_dir or bench/results>/<name>-<gpu-slug>-<UTC timestamp>.json``, from the results' environment."""
+    env = results.get("environment", {})
+    gpu = env.get("gpu") or ("cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0))
+    stamp = env.get("timestamp_utc") or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    stamp = stamp.replace("-", "").replace(":", "")
+    return Path(out_dir or RESULTS_DIR) / f"{name}-{slug(gpu)}-{stamp}.json"
+
+
+def write_json(results: Mapping[str, Any], out_dir: str | Path | None, name: str, path: Path | None = None) -> Path:
+    """Write ``results`` as JSON (see :func:`result_path` for the name); rewrite ``path`` when given.
+
+    Writing to a temporary file first keeps the previous complete version if the process dies mid-write.
+    """
+    target = path or result_path(results, out_dir, name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(target.suffix + ".tmp")
+    tmp.write_text(json.dumps(to_jsonable(results), indent=1) + "\n")
+    tmp.replace(target)
+    return target
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if fmt and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value, fmt)
+    return str(value)
+
+
+def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, str]]) -> None:
+    """Print ``rows`` as an aligned text table; ``columns`` are (header, key, format spec such as '.3f')."""
+    cells = [[header for header, _, _ in columns]]
+    cells += [[_cell(row.get(key), fmt) for _, key, fmt in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    for n, line in enumerate(cells):
+        # Text left-aligned (first column), numbers right-aligned.
+        print(
+            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+        )
+        if n == 0:
+            print("  ".join("-" * w for w in widths))

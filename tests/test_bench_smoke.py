@@ -1,0 +1,127 @@
+"""Smoke tests of the forward benchmark's logic on the CPU (tiny shapes; the timings themselves mean nothing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+# The benchmarks are a package at the repository root, which pytest does not put on sys.path by itself.
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch_convbias  # noqa: E402
+from bench import bench_forward, common  # noqa: E402
+
+ENV_KEYS = {"commit", "dirty", "gpu", "torch", "cuda", "cudnn", "torch_convbias", "timestamp_utc"}
+ROW_KEYS = {
+    "mode",
+    "cudnn_benchmark",
+    "label",
+    "shape",
+    "status",
+    "timings",
+    "speedup_cl",
+    "speedup_nchw",
+    "fused_over_conv_only",
+    "vs_torch_conv_only",
+    "numerics",
+    "first_call_ms",
+    "explain",
+    "plan_cache",
+}
+SUMMARY_KEYS = {
+    "mode",
+    "cudnn_benchmark",
+    "geomean_speedup_cl",
+    "geomean_speedup_nchw",
+    "worst_shape",
+    "worst_speedup_cl",
+    "below_1x",
+    "target_geomean_pass",
+    "target_no_shape_below_1x_pass",
+}
+FAST = ["--device", "cpu", "--quick", "--iters", "2", "--warmup", "1"]
+
+
+def run(tmp_path: Path, *extra: str) -> dict[str, Any]:
+    assert bench_forward.main([*FAST, "--out", str(tmp_path), *extra]) == 0
+    files = list(tmp_path.glob("forward-cpu-*.json"))
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text())
+
+
+def test_quick_cpu_run_writes_complete_json(tmp_path: Path) -> None:
+    plot = importlib.util.find_spec("matplotlib") is not None
+    results = run(tmp_path, *(["--plot"] if plot else []))
+
+    assert results["complete"] is True
+    assert ENV_KEYS <= set(results["environment"])
+    assert results["environment"]["gpu"] == "cpu"
+    modes = ["fp32", "tf32", "bf16"]
+    labels = [s.label for s in bench_forward.QUICK_SUITE]
+    assert [(r["mode"], r["label"]) for r in results["rows"]] == [(m, label) for m in modes for label in labels]
+    for row in results["rows"]:
+        assert ROW_KEYS <= set(row), row["label"]
+        assert row["status"] == "ok", (row["label"], row["error"], row["variant_errors"])
+        assert row["shape"]["n"] == bench_forward.CPU_BATCH
+        assert set(row["timings"]) == set(bench_forward.VARIANTS)
+        assert all(t["median_ms"] > 0 and t["iters"] == 2 for t in row["timings"].values())
+        assert row["speedup_cl"] > 0 and row["first_call_ms"] > 0
+        assert row["numerics"]["passed"], row["numerics"]
+        assert row["out_channels_last"] is True
+    assert [s["mode"] for s in results["summaries"]] == modes
+    for summary in results["summaries"]:
+        assert SUMMARY_KEYS <= set(summary)
+        assert summary["measured"] == len(labels) and summary["geomean_speedup_cl"] > 0
+    assert next(tmp_path.glob("*.json")).with_suffix(".png").exists() == plot
+
+
+def test_optional_api_is_recorded_and_oom_is_per_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With cache_clear/cache_info/explain present their results land in the JSON; an OOM costs one row."""
+    state = {"misses": 0, "build_seconds": 0.0}
+    monkeypatch.setattr(torch_convbias, "cache_clear", lambda: None, raising=False)
+    info = {"hits": 0, "size": 0, "capacity": 8}
+    monkeypatch.setattr(torch_convbias, "cache_info", lambda: {**state, **info}, raising=False)
+    monkeypatch.setattr(torch_convbias, "explain", lambda *args: {"path": "fake", "engine": 7}, raising=False)
+    real_make_problem = bench_forward.make_problem
+
+    def make_problem(shape: bench_forward.Shape, *args: Any) -> bench_forward.Problem:
+        if shape.c == 1024:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        state["misses"] += 1
+        state["build_seconds"] += 0.25
+        return real_make_problem(shape, *args)
+
+    monkeypatch.setattr(bench_forward, "make_problem", make_problem)
+    results = run(tmp_path, "--modes", "fp32")
+
+    ok, _, oom = results["rows"]
+    assert ok["explain"] == {"path": "fake", "engine": 7}
+    assert ok["plan_cache"]["cache_cleared"] is True
+    assert ok["plan_cache"]["cache_after"]["capacity"] == 8
+    assert oom["status"] == "oom" and "simulated" in oom["error"] and oom["speedup_cl"] is None
+    summary = results["summaries"][0]
+    assert summary["missing"] == [oom["label"]] and summary["target_geomean_pass"] is None
+
+
+def test_helpers() -> None:
+    assert common.geomean([2.0, 8.0, None]) == pytest.approx(4.0)
+    assert common.geomean([]) is None
+    stats = common.summarize([3.0, 1.0, 2.0, 4.0])
+    assert stats["median_ms"] == 2.5 and stats["min_ms"] == 1.0 and stats["iqr_ms"] == pytest.approx(1.5)
+    assert common.slug("NVIDIA H200") == "nvidia-h200"
+    env = {"gpu": "NVIDIA H200", "timestamp_utc": "2025-01-02T03:04:05Z"}
+    path = common.result_path({"environment": env}, "x", "forward")
+    assert path == Path("x/forward-nvidia-h200-20250102T030405Z.json")
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark
+    with common.mode_flags(common.modes()["tf32"], cudnn_benchmark=not before[1]):
+        assert torch.backends.cudnn.allow_tf32 is True and torch.backends.cudnn.benchmark is not before[1]
+    assert (torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark) == before
+    assert common.time_cuda(lambda: None, warmup=1, iters=3, device="cpu")["iters"] == 3

@@ -1,0 +1,234 @@
+"""The cuDNN graph forward on the GPU: the path each case takes, the plan cache, TF32 and determinism flags,
+alignment, CUDA graph capture, threads, and the environment knobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import HAS_CUDA
+
+import torch_convbias
+from torch_convbias import conv_bias2d
+
+pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make(n, c, h, w, k, r=3, dtype=torch.float32, channels_last=True, bias=True, seed=0):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(n, c, h, w, generator=g).to("cuda", dtype).contiguous(memory_format=fmt)
+    wt = (torch.randn(k, c, r, r, generator=g) / (c * r * r) ** 0.5).to("cuda", dtype).contiguous(memory_format=fmt)
+    b = torch.randn(k, generator=g).to("cuda", dtype) if bias else None
+    return x, wt, b
+
+
+def test_seed_case_nchw_fp32_runs_fused_and_explains() -> None:
+    """The case this project started from: N=C=H=W=K=16, 3x3, pad 1, FP32, NCHW."""
+    x, w, b = make(16, 16, 16, 16, 16, channels_last=False)
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        out = conv_bias2d(x, w, b, padding=1)
+        torch.testing.assert_close(out, F.conv2d(x, w, b, padding=1), rtol=1e-4, atol=1e-4)
+        info = torch_convbias.explain(x, w, b, padding=1)
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
+    assert out.is_contiguous()
+    assert info["path"] == "fused", info
+    assert info["layout"] == "copied to channels_last" and info["output"] == "copied to NCHW"
+    assert info["engine"]["name"] and info["engine"]["workspace_bytes"] >= 0
+    assert info["math"]["allow_tf32"] is False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_channels_last_takes_fused_graph(dtype: torch.dtype) -> None:
+    x, w, b = make(8, 32, 12, 12, 64, dtype=dtype)
+    info = torch_convbias.explain(x, w, b, padding=1)
+    assert info["path"] == "fused", info
+    assert info["layout"] == "channels_last" and info["output"] == "channels_last"
+    x, w, _ = make(8, 32, 12, 12, 64, dtype=dtype)
+    assert torch_convbias.explain(x, w, None, padding=1)["path"] == "conv"
+
+
+def test_odd_channels_and_float64_still_work() -> None:
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        x, w, b = make(4, 3, 17, 15, 5, r=5, dtype=dtype)
+        out = conv_bias2d(x, w, b, stride=2, padding=(2, 1))
+        tol = {torch.float32: 5e-3, torch.bfloat16: 5e-2, torch.float64: 1e-10}[dtype]
+        torch.testing.assert_close(out, F.conv2d(x, w, b, stride=2, padding=(2, 1)), rtol=tol, atol=tol)
+        assert torch_convbias.explain(x, w, b, stride=2, padding=(2, 1))["path"] in ("fused", "conv+bias_add", "aten")
+    assert torch_convbias.explain(x, w, b)["path"] == "aten"  # float64 has no graph engines
+
+
+def test_plan_cache_hits_and_clear() -> None:
+    torch_convbias.cache_clear()
+    x, w, b = make(2, 8, 9, 9, 8)
+    for _ in range(3):
+        conv_bias2d(x, w, b, padding=1)
+    info = torch_convbias.cache_info()
+    assert info["misses"] == 1 and info["hits"] == 2 and info["size"] == 1, info
+    assert info["build_seconds"] > 0
+    conv_bias2d(x, w, b, padding=0)  # another key
+    assert torch_convbias.cache_info()["size"] == 2
+    torch_convbias.cache_clear()
+    assert torch_convbias.cache_info() == {**info, "hits": 0, "misses": 0, "size": 0, "build_seconds": 0}
+
+
+def test_tf32_flag_is_respected() -> None:
+    x, w, b = make(4, 64, 16, 16, 64, seed=3)
+    expected = F.conv2d(x.double(), w.double(), b.double(), padding=1)
+    saved = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = False
+        strict = conv_bias2d(x, w, b, padding=1)
+        torch.backends.cudnn.allow_tf32 = True
+        tf32 = conv_bias2d(x, w, b, padding=1)
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    strict_error = (strict.double() - expected).abs().max().item()
+    tf32_error = (tf32.double() - expected).abs().max().item()
+    assert strict_error < 1e-4, strict_error
+    assert tf32_error > strict_error  # TF32 tensor cores round the inputs to 10 mantissa bits
+
+
+def test_deterministic_mode_is_bitwise_repeatable() -> None:
+    x, w, b = make(16, 32, 16, 16, 32, seed=4)
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = conv_bias2d(x, w, b, padding=1)
+        second = conv_bias2d(x, w, b, padding=1)
+        assert torch_convbias.explain(x, w, b, padding=1)["math"]["deterministic"] is True
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(first, second)
+
+
+def test_misaligned_pointers() -> None:
+    n, c, h, w_, k = 2, 8, 6, 6, 8
+    storage = torch.randn(n * c * h * w_ + 1, device="cuda")
+    x = storage[1:].as_strided((n, c, h, w_), (c * h * w_, 1, w_ * c, c))  # channels_last, 4-byte aligned
+    _, w, b = make(n, c, h, w_, k)
+    out = conv_bias2d(x, w, b, padding=1)
+    torch.testing.assert_close(out, F.conv2d(x, w, b, padding=1), rtol=5e-3, atol=5e-3)
+    info = torch_convbias.explain(x, w, b, padding=1)
+    assert info["alignment"]["input"] == 4, info
+
+
+def test_cuda_graph_capture_and_replay() -> None:
+    x, w, b = make(4, 16, 10, 10, 32)
+    static_x = x.clone()
+    conv_bias2d(static_x, w, b, padding=1)  # plan built (and timed) before capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        conv_bias2d(static_x, w, b, padding=1)
+        with torch.cuda.graph(graph, stream=stream):
+            static_out = conv_bias2d(static_x, w, b, padding=1)
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in range(3):
+        static_x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to("cuda"))
+        graph.replay()
+        torch.testing.assert_close(static_out, F.conv2d(static_x, w, b, padding=1), rtol=5e-3, atol=5e-3)
+
+
+def test_plan_built_during_capture() -> None:
+    torch_convbias.cache_clear()
+    x, w, b = make(3, 16, 11, 11, 16)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            out = conv_bias2d(x, w, b, padding=1)  # new key: built without timing, nothing synchronises
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.testing.assert_close(out, F.conv2d(x, w, b, padding=1), rtol=5e-3, atol=5e-3)
+
+
+def test_threads_share_the_cache() -> None:
+    shapes = [(2, 8, 8, 8, 8), (3, 16, 10, 9, 8), (1, 4, 12, 12, 16), (2, 32, 7, 7, 32)]
+    cases = []
+    for i in range(8):
+        x, w, b = make(*shapes[i % len(shapes)], seed=i)
+        cases.append((x, w, b, F.conv2d(x, w, b, padding=1)))
+    torch.cuda.synchronize()
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            x, w, b, expected = cases[i]
+            for _ in range(20):
+                torch.testing.assert_close(conv_bias2d(x, w, b, padding=1), expected, rtol=5e-3, atol=5e-3)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    torch_convbias.cache_clear()
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert torch_convbias.cache_info()["size"] == len(shapes)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_input_on_another_gpu() -> None:
+    x, w, b = (t.to("cuda:1") if t is not None else None for t in make(2, 8, 8, 8, 8))
+    torch.testing.assert_close(conv_bias2d(x, w, b, padding=1), F.conv2d(x, w, b, padding=1), rtol=5e-3, atol=5e-3)
+
+
+SCRIPT = """
+import json, torch, torch.nn.functional as F, torch_convbias
+x = torch.randn(2, 8, 9, 9, device='cuda').contiguous(memory_format=torch.channels_last)
+w = torch.randn(8, 8, 3, 3, device='cuda').contiguous(memory_format=torch.channels_last)
+b = torch.randn(8, device='cuda')
+out = torch_convbias.conv_bias2d(x, w, b, padding=1)
+torch.testing.assert_close(out, F.conv2d(x, w, b, padding=1), rtol=5e-3, atol=5e-3)
+for _ in range(3):
+    torch_convbias.conv_bias2d(x, w, b, padding=0)
+print(json.dumps({"explain": torch_convbias.explain(x, w, b, padding=1), "cache": torch_convbias.cache_info()}))
+"""
+
+
+def run_with_env(**env: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env={**os.environ, **env}, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("path,expected", [("unfused", "conv+bias_add"), ("aten", "aten"), ("fused", "fused")])
+def test_path_knob(path: str, expected: str) -> None:
+    assert run_with_env(TORCH_CONVBIAS_PATH=path)["explain"]["path"] == expected
+
+
+def test_cache_size_knob_evicts() -> None:
+    cache = run_with_env(TORCH_CONVBIAS_CACHE_SIZE="1")["cache"]
+    assert cache["capacity"] == 1 and cache["size"] == 1 and cache["evictions"] >= 1, cache
+
+
+def test_bad_knob_is_reported() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env={**os.environ, "TORCH_CONVBIAS_PATH": "fastest"}, cwd=ROOT,
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode != 0 and "TORCH_CONVBIAS_PATH must be auto, fused, unfused or aten" in result.stderr
+
+
+def test_doctor_runs() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "torch_convbias.doctor"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "cudnn_loaded" in result.stdout and "seed case on cuda: path=fused" in result.stdout
