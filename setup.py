@@ -162,6 +162,25 @@ def nvrtc_include() -> Path:
     raise AssertionError
 
 
+def nvrtc_link_args() -> list[str]:
+    """The frontend's runtime-compiled (OSS) engines call NVRTC from inline code that ends up in _C, so _C
+    needs libnvrtc at load time: link it by soname, preferring the wheel torch itself uses."""
+    import torch
+
+    major = (torch.version.cuda or "13").split(".")[0]
+    candidates = [
+        installed_package_dir(dist, *sub)
+        for dist in ("nvidia-cuda-nvrtc", f"nvidia-cuda-nvrtc-cu{major}")
+        for sub in (("nvidia", f"cu{major}", "lib"), ("nvidia", "cuda_nvrtc", "lib"))
+    ]
+    candidates += [cuda_home() / "lib64", cuda_home() / "lib"]
+    for lib_dir in candidates:
+        if lib_dir is not None and (lib_dir / f"libnvrtc.so.{major}").exists():
+            return [f"-L{lib_dir}", f"-l:libnvrtc.so.{major}", f"-Wl,-rpath,{lib_dir}"]
+    fail(f"libnvrtc.so.{major} (needed by the cuDNN frontend)", "Install the nvidia-cuda-nvrtc wheel or the CUDA toolkit.")
+    raise AssertionError
+
+
 def cudnn_link_args(lib_dir: Path) -> list[str]:
     """Link libcudnn the way torch does: by soname, since the wheel ships only libcudnn.so.9 (no libcudnn.so)."""
     sonames = sorted(Path(p).name for p in glob.glob(str(lib_dir / "libcudnn.so*")))
@@ -190,7 +209,7 @@ def extension() -> CUDAExtension:
         include_dirs=[str(ROOT / "csrc"), str(cudnn_include), str(frontend_include), *extra_includes],
         # The C++ standard is left to torch (C++17 or C++20 depending on its version).
         extra_compile_args={"cxx": opt, "nvcc": opt},
-        extra_link_args=cudnn_link_args(cudnn_lib),
+        extra_link_args=cudnn_link_args(cudnn_lib) + nvrtc_link_args(),
         py_limited_api=False,
     )
 
