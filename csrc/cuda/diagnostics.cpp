@@ -62,6 +62,7 @@ std::string explain_cuda(
   out.str("path", cuda::path_name(plan->path))
       .str("problem", prepared.problem.describe())
       .str("layout", prepared.converted_input ? "copied to channels_last" : "channels_last")
+      .boolean("realigned", prepared.realigned)
       .str("output", output_memory_format(input, weight) == at::MemoryFormat::ChannelsLast ? "channels_last"
                                                                                            : "copied to NCHW")
       .boolean("cached", cached)

@@ -19,6 +19,7 @@ struct PreparedForward {
   std::optional<at::Tensor> b; // contiguous, or nullopt
   at::Tensor y; // the channels_last output, allocated
   bool converted_input = false; // x or w had to be copied to channels_last
+  bool realigned = false; // x, w or bias was copied to a 16-byte aligned buffer
   FpropProblem problem;
 };
 
