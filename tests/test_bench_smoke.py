@@ -63,7 +63,10 @@ def test_quick_cpu_run_writes_complete_json(tmp_path: Path) -> None:
 
     assert results["complete"] is True
     assert ENV_KEYS <= set(results["environment"])
-    assert results["environment"]["gpu"] == "cpu"
+    # The environment describes the machine (its GPU, if any); the device the run used is in the config.
+    machine_gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    assert results["environment"]["gpu"] == machine_gpu
+    assert results["config"]["device"] == "cpu"
     modes = ["fp32", "tf32", "bf16"]
     labels = [s.label for s in bench_forward.QUICK_SUITE]
     assert [(r["mode"], r["label"]) for r in results["rows"]] == [(m, label) for m in modes for label in labels]
