@@ -1,6 +1,7 @@
 #include "diagnostics.h"
 
-#include <cudnn_frontend.h>
+#include <cudnn.h>
+#include <cudnn_frontend_version.h>  // the version alone: the full frontend headers take a minute to compile
 
 namespace convbias {
 

@@ -17,8 +17,8 @@ namespace fe = cudnn_frontend;
 // cuDNN frontend data type of a torch dtype (float16, bfloat16, float32).
 fe::DataType_t to_frontend_dtype(at::ScalarType t);
 
-// Largest power of two (at most 16 bytes) dividing the tensor's data pointer: cuDNN engines assume the
-// alignment the graph was built with, so it is part of the graph and of its cache key.
+// Largest power of two (at most 16 bytes) dividing the tensor's data pointer. Graphs declare it and it is part
+// of their cache key; cuDNN 9.19 still rejects pointers below 16 bytes at execution, so callers realign first.
 int64_t pointer_alignment(const at::Tensor& t);
 
 // cuDNN's own description of its last error (cudnnGetLastErrorString), or "" when it has none.
