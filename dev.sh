@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One entry point for developers and CI.
 #
-#   ./dev.sh setup   install what is missing, then build the extension (in place, editable)
+#   ./dev.sh setup   install what is missing, then build the extension in place
 #   ./dev.sh test    setup, then run the test suite
 #   ./dev.sh demo    setup, then run the layer-by-layer training demo
+#   ./dev.sh gpu DIR setup, doctor, the whole test suite and every benchmark, logs and results into DIR
+#                    (one call on the GPU machine: `./dev.sh gpu $OUT`)
 #
 # setup installs only what is missing: on a fresh CPU machine with PyPI, torch 2.14.1, pytest, scikit-learn
 # and the cuDNN frontend headers; on a machine that already has them (a GPU box without network, with
@@ -37,5 +39,20 @@ case "${1:-}" in
   setup) setup ;;
   test) setup; shift; exec "$PYTHON" -m pytest tests "$@" ;;
   demo) setup; shift; exec "$PYTHON" examples/layerwise_digits.py "$@" ;;
-  *) sed -n '2,11p' "$0"; exit 2 ;;
+  gpu)
+    out=${2:?usage: ./dev.sh gpu OUTDIR}
+    mkdir -p "$out"
+    # The device tool returns at most 8 files: one log, and a JSON + PNG per benchmark.
+    setup > /tmp/convbias-build.log 2>&1 || { cp /tmp/convbias-build.log "$out/"; tail -40 /tmp/convbias-build.log; exit 1; }
+    status=0
+    "$PYTHON" -m torch_convbias.doctor > "$out/tests.log" 2>&1 || status=1
+    "$PYTHON" -m pytest tests -q -rs -p no:cacheprovider >> "$out/tests.log" 2>&1 || status=1
+    tail -5 "$out/tests.log"
+    for bench in bench/bench_*.py; do
+      name=$(basename "$bench" .py)
+      "$PYTHON" -m "bench.$name" --plot --out "$out" > "/tmp/$name.log" 2>&1 || status=1
+      tail -12 "/tmp/$name.log"
+    done
+    exit $status ;;
+  *) sed -n '2,12p' "$0"; exit 2 ;;
 esac
