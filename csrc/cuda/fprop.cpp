@@ -1,7 +1,6 @@
 #include "cuda/fprop.h"
 
 #include <ATen/ATen.h>
-#include <ATen/cudnn/Handle.h>
 
 #include <sstream>
 
@@ -85,56 +84,33 @@ std::shared_ptr<fe::graph::Graph> make_graph(
   return graph;
 }
 
-std::unordered_map<int64_t, void*> variant_pack(
+VariantPack variant_pack(
     const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, const at::Tensor& y,
     bool with_bias) {
-  std::unordered_map<int64_t, void*> pack{{kX, x.data_ptr()}, {kW, w.data_ptr()}, {kY, y.data_ptr()}};
+  VariantPack pack{{kX, x.data_ptr()}, {kW, w.data_ptr()}, {kY, y.data_ptr()}};
   if (with_bias) {
     pack.emplace(kB, b->data_ptr());
   }
   return pack;
 }
 
-void execute(
-    fe::graph::Graph& graph, int64_t plan_index, void* workspace, std::unordered_map<int64_t, void*>& pack,
-    const FpropProblem& problem, const char* which) {
-  auto status = graph.execute_plan_at_index(at::native::getCudnnHandle(), pack, workspace, plan_index);
-  if (status.is_bad()) {
-    throw_graph_error(std::string("executing the ") + which + " for " + problem.describe(), status, "");
-  }
+const char* graph_name(bool with_bias) {
+  return with_bias ? "fused conv+bias graph" : "conv graph";
 }
 
-struct GraphAttempt {
-  std::shared_ptr<fe::graph::Graph> graph;
-  EngineChoice engine;
-  std::string failure; // empty when a plan was chosen
-};
+void execute(
+    fe::graph::Graph& graph, int64_t plan_index, void* workspace, VariantPack& pack, const FpropProblem& problem,
+    bool with_bias) {
+  execute_graph(graph, plan_index, workspace, pack, [&] { return std::string(graph_name(with_bias)) + " for " + problem.describe(); });
+}
 
 GraphAttempt attempt(
     const FpropProblem& p, bool with_bias, const SelectionPolicy& policy, const at::Tensor& x, const at::Tensor& w,
     const std::optional<at::Tensor>& b, const at::Tensor& y) {
-  GraphAttempt result;
-  cudnnHandle_t handle = at::native::getCudnnHandle();
-  result.graph = make_graph(p, with_bias, handle, &result.failure);
-  if (!result.graph) {
-    return result;
-  }
-  auto pack = variant_pack(x, w, b, y, with_bias);
-  auto run = [&](int64_t index, void* workspace) {
-    execute(*result.graph, index, workspace, pack, p, with_bias ? "fused conv+bias graph" : "conv graph");
-  };
-  result.engine = select_engine(*result.graph, handle, policy, run, x.device());
-  if (result.engine.plan_index < 0) {
-    std::ostringstream why;
-    why << "no engine built a plan (" << result.engine.heuristic_candidates << " offered by heuristics after filters";
-    for (const auto& r : result.engine.rejected) {
-      why << "; " << r;
-    }
-    why << ")";
-    result.failure = why.str();
-    result.graph.reset();
-  }
-  return result;
+  return build_graph_plan(
+      [&](cudnnHandle_t handle, std::string* why) { return make_graph(p, with_bias, handle, why); }, policy,
+      variant_pack(x, w, b, y, with_bias), x.device(),
+      [&] { return std::string(graph_name(with_bias)) + " for " + p.describe(); });
 }
 
 std::string layout_hint(const FpropProblem& p) {
@@ -203,9 +179,9 @@ std::shared_ptr<const FpropPlan> build_plan(
     auto conv_pack = variant_pack(x, w, b, y, false);
     const at::Tensor bias_view = b->view({1, -1, 1, 1});
     plan->fused_ms = time_on_stream(
-        [&] { execute(*fused->graph, fused->engine.plan_index, workspace.data_ptr(), fused_pack, p, "fused graph"); });
+        [&] { execute(*fused->graph, fused->engine.plan_index, workspace.data_ptr(), fused_pack, p, true); });
     plan->unfused_ms = time_on_stream([&] {
-      execute(*unfused->graph, unfused->engine.plan_index, workspace.data_ptr(), conv_pack, p, "conv graph");
+      execute(*unfused->graph, unfused->engine.plan_index, workspace.data_ptr(), conv_pack, p, false);
       y.add_(bias_view);
     });
     if (plan->unfused_ms < plan->fused_ms) {
@@ -315,8 +291,7 @@ void run_fprop(
   const bool fused_bias = plan.path == FpropPath::Fused;
   auto pack = variant_pack(x, w, b, y, fused_bias);
   at::Tensor workspace = at::empty({plan.engine.workspace_bytes}, x.options().dtype(at::kByte));
-  execute(*plan.graph, plan.engine.plan_index, workspace.data_ptr(), pack, problem,
-          fused_bias ? "fused conv+bias graph" : "conv graph");
+  execute(*plan.graph, plan.engine.plan_index, workspace.data_ptr(), pack, problem, fused_bias);
   if (plan.path == FpropPath::ConvThenBiasAdd) {
     y.add_(b->view({1, -1, 1, 1}));
   }

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/cudnn/Handle.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
@@ -11,6 +12,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <limits>
+#include <sstream>
 
 namespace convbias::cuda {
 
@@ -225,6 +227,45 @@ EngineChoice select_engine(
   choice.runtime_compiled = is_runtime_compiled(graph, choice.plan_index);
   choice.build_seconds = seconds_since(start);
   return choice;
+}
+
+void execute_graph(
+    fe::graph::Graph& graph,
+    int64_t plan_index,
+    void* workspace,
+    VariantPack& pack,
+    const std::function<std::string()>& what) {
+  auto status = graph.execute_plan_at_index(at::native::getCudnnHandle(), pack, workspace, plan_index);
+  if (status.is_bad()) {
+    throw_graph_error("executing the " + what(), status, "");
+  }
+}
+
+GraphAttempt build_graph_plan(
+    const std::function<std::shared_ptr<fe::graph::Graph>(cudnnHandle_t, std::string*)>& make,
+    const SelectionPolicy& policy,
+    VariantPack pack,
+    c10::Device device,
+    const std::function<std::string()>& what) {
+  GraphAttempt result;
+  cudnnHandle_t handle = at::native::getCudnnHandle();
+  result.graph = make(handle, &result.failure);
+  if (!result.graph) {
+    return result;
+  }
+  auto run = [&](int64_t index, void* workspace) { execute_graph(*result.graph, index, workspace, pack, what); };
+  result.engine = select_engine(*result.graph, handle, policy, run, device);
+  if (result.engine.plan_index < 0) {
+    std::ostringstream why;
+    why << "no engine built a plan (" << result.engine.heuristic_candidates << " offered by heuristics after filters";
+    for (const auto& r : result.engine.rejected) {
+      why << "; " << r;
+    }
+    why << ")";
+    result.failure = why.str();
+    result.graph.reset();
+  }
+  return result;
 }
 
 } // namespace convbias::cuda

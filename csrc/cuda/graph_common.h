@@ -7,7 +7,9 @@
 #include <cudnn_frontend.h>
 
 #include <functional>
+#include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace convbias::cuda {
@@ -79,6 +81,35 @@ float time_on_stream(const std::function<void()>& fn);
 
 // Whether the current stream is capturing a CUDA graph (no synchronisation, no timing allowed then).
 bool stream_is_capturing();
+
+// Tensor uid -> data pointer, as the graphs' execute takes them.
+using VariantPack = std::unordered_map<int64_t, void*>;
+
+// A graph with its chosen plan, or the reason there is none.
+struct GraphAttempt {
+  std::shared_ptr<fe::graph::Graph> graph; // null on failure
+  EngineChoice engine;
+  std::string failure; // empty when a plan was chosen
+};
+
+// Makes a graph with `make` (which returns nullptr and the reason when cuDNN refuses the graph itself), then
+// selects its plan with `policy`, timing candidates on the buffers of `pack`. `what` names the graph and its
+// problem in error messages.
+GraphAttempt build_graph_plan(
+    const std::function<std::shared_ptr<fe::graph::Graph>(cudnnHandle_t, std::string*)>& make,
+    const SelectionPolicy& policy,
+    VariantPack pack,
+    c10::Device device,
+    const std::function<std::string()>& what);
+
+// Runs plan `plan_index` of `graph` on the current stream with PyTorch's cuDNN handle; throws naming the graph
+// (`what` is only called on failure, keeping the hot path free of string building).
+void execute_graph(
+    fe::graph::Graph& graph,
+    int64_t plan_index,
+    void* workspace,
+    VariantPack& pack,
+    const std::function<std::string()>& what);
 
 // Throws a c10::Error describing `what` (which graph, its shapes) with the frontend's and cuDNN's messages.
 [[noreturn]] void throw_graph_error(const std::string& what, fe::error_t status, const std::string& hint);
