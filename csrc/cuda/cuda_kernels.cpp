@@ -1,6 +1,6 @@
 // CUDA kernels of the convbias ops. forward runs the cuDNN graph chosen for the problem (fused conv+bias,
-// conv + bias add, or ATen where no graph builds); param_grad still runs the ATen reference until the
-// parameter-gradient graphs land.
+// conv + bias add, or ATen where no graph builds). param_grad runs the ATen reference unless
+// TORCH_CONVBIAS_PARAM_GRAD=cudnn selects the conv_wgrad graph (not yet verified on a GPU, so not the default).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -9,6 +9,7 @@
 
 #include "conv_args.h"
 #include "cuda/forward_setup.h"
+#include "cuda/wgrad.h"
 #include "reference.h"
 
 namespace convbias {
@@ -46,8 +47,25 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_cuda
     at::IntArrayRef dilation,
     int64_t groups,
     std::array<bool, 2> output_mask) {
-  const c10::cuda::OptionalCUDAGuard device_guard(input.device());
-  return param_grad_reference(grad_output, input, weight, stride, padding, dilation, groups, output_mask);
+  const ConvParams params = check_param_grad_args(grad_output, input, weight, stride, padding, dilation, groups);
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  const bool use_graphs = cuda::knobs().param_grad == "cudnn" && !cuda::aten_only_reason(input, weight);
+  if (!use_graphs || !output_mask[0]) {
+    return param_grad_reference(grad_output, input, weight, stride, padding, dilation, groups, output_mask);
+  }
+  constexpr auto cl = at::MemoryFormat::ChannelsLast;
+  const at::Tensor dy = cuda::aligned_for_cudnn(grad_output.contiguous(cl), cl);
+  const at::Tensor x = cuda::aligned_for_cudnn(input.contiguous(cl), cl);
+  std::optional<at::Tensor> grad_weight = cuda::weight_grad(dy, x, weight, params);
+  if (!grad_weight) {
+    return param_grad_reference(grad_output, input, weight, stride, padding, dilation, groups, output_mask);
+  }
+  std::optional<at::Tensor> grad_bias;
+  if (output_mask[1]) {
+    // Summed over N, H, W with FP32 accumulation, rounded once to the gradient's dtype.
+    grad_bias = at::sum(dy, {0, 2, 3}, /*keepdim=*/false, at::kFloat).to(grad_output.scalar_type());
+  }
+  return {grad_weight, grad_bias};
 }
 
 } // namespace

@@ -6,6 +6,7 @@
 
 #include "conv_args.h"
 #include "cuda/forward_setup.h"
+#include "cuda/wgrad.h"
 #include "json.h"
 
 namespace convbias {
@@ -81,7 +82,14 @@ std::string explain_cuda(
 } // namespace
 
 std::string plan_cache_stats() {
-  const cuda::CacheStats s = cuda::fprop_cache().stats();
+  // Forward and weight-gradient plans live in two caches of the same capacity; report them together.
+  cuda::CacheStats s = cuda::fprop_cache().stats();
+  const cuda::CacheStats w = cuda::wgrad_cache().stats();
+  s.hits += w.hits;
+  s.misses += w.misses;
+  s.evictions += w.evictions;
+  s.size += w.size;
+  s.build_seconds += w.build_seconds;
   return JsonObject()
       .num("hits", s.hits)
       .num("misses", s.misses)
@@ -94,6 +102,7 @@ std::string plan_cache_stats() {
 
 void plan_cache_clear() {
   cuda::fprop_cache().clear();
+  cuda::wgrad_cache().clear();
 }
 
 TORCH_LIBRARY_IMPL(convbias, CUDA, m) {

@@ -34,18 +34,10 @@ PreparedForward prepare_forward(
   if (bias.has_value() && bias->defined()) {
     p.b = bias->contiguous();
   }
-  // cuDNN 9.19's engines reject pointers below 16-byte alignment at execution (BAD_PARAM_MISALIGNED_POINTER)
-  // even for graphs built with a smaller alignment, so a view at an odd offset is copied to a fresh buffer.
-  auto realign = [&](at::Tensor& t, at::MemoryFormat format) {
-    if (pointer_alignment(t) < 16) {
-      t = t.clone(format);
-      p.realigned = true;
-    }
-  };
-  realign(p.x, cl);
-  realign(p.w, cl);
+  p.x = aligned_for_cudnn(p.x, cl, &p.realigned);
+  p.w = aligned_for_cudnn(p.w, cl, &p.realigned);
   if (p.b) {
-    realign(*p.b, at::MemoryFormat::Contiguous);
+    p.b = aligned_for_cudnn(*p.b, at::MemoryFormat::Contiguous, &p.realigned);
   }
   const auto size = output_size(input, weight, params);
   p.y = at::empty(size, input.options().memory_format(cl));

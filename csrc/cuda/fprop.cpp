@@ -9,15 +9,6 @@ namespace {
 
 constexpr int64_t kX = 1, kW = 2, kB = 3, kY = 4;
 
-// Fully packed NHWC strides of NCHW-ordered dims: the only layout the fusion engines take.
-std::vector<int64_t> channels_last_strides(const std::array<int64_t, 4>& d) {
-  return {d[1] * d[2] * d[3], 1, d[3] * d[1], d[1]};
-}
-
-std::vector<int64_t> as_vector(const std::array<int64_t, 4>& a) {
-  return {a.begin(), a.end()};
-}
-
 // The graph: conv_fprop (-> FLOAT intermediate) -> pointwise ADD of the bias [1,K,1,1] -> y, or conv alone.
 // Returns nullptr and the reason when cuDNN does not accept the graph itself.
 std::shared_ptr<fe::graph::Graph> make_graph(
@@ -72,16 +63,7 @@ std::shared_ptr<fe::graph::Graph> make_graph(
       .set_dim(as_vector(p.y_dims))
       .set_stride(channels_last_strides(p.y_dims))
       .set_alignment(p.alignments[3]);
-  if (auto status = graph->validate(); status.is_bad()) {
-    *why = "validate: " + status.get_message();
-    return nullptr;
-  }
-  if (auto status = graph->build_operation_graph(handle); status.is_bad()) {
-    const std::string cudnn_message = last_cudnn_error();
-    *why = "build_operation_graph: " + status.get_message() + (cudnn_message.empty() ? "" : " (cuDNN: " + cudnn_message + ")");
-    return nullptr;
-  }
-  return graph;
+  return finalize_graph(*graph, handle, why) ? graph : nullptr;
 }
 
 VariantPack variant_pack(
@@ -133,14 +115,7 @@ std::shared_ptr<const FpropPlan> build_plan(
     const at::Tensor& y) {
   auto plan = std::make_shared<FpropPlan>();
   const auto& k = knobs();
-  const bool capturing = stream_is_capturing();
-  const bool exhaustive = k.autotune == "on" || (k.autotune == "auto" && p.flags.benchmark);
-  SelectionPolicy policy{
-      /*float32_io=*/p.dtype == at::kFloat,
-      p.flags,
-      /*max_candidates=*/k.autotune == "off" || capturing ? 1 : (exhaustive ? 8 : 3),
-      /*time_candidates=*/!capturing && k.autotune != "off",
-      /*allow_runtime_compiled=*/k.allow_runtime_compiled && !capturing};
+  const SelectionPolicy policy = default_policy(p.dtype, p.flags);
   plan->tuned = policy.time_candidates && policy.max_candidates > 1;
 
   std::optional<GraphAttempt> fused;
@@ -156,7 +131,7 @@ std::shared_ptr<const FpropPlan> build_plan(
   const bool fused_ok = fused && fused->failure.empty();
   // Conv alone (then a bias add): needed without bias, when the fused graph failed, when forced, and when
   // measuring whether fusion pays for this key.
-  const bool measure_both = fused_ok && exhaustive && !capturing && k.path == "auto";
+  const bool measure_both = fused_ok && exhaustive_tuning(p.flags) && k.path == "auto";
   std::optional<GraphAttempt> unfused;
   if (!fused_ok || measure_both) {
     unfused = attempt(p, /*with_bias=*/false, policy, x, w, b, y);

@@ -35,6 +35,16 @@ int64_t pointer_alignment(const at::Tensor& t) {
   return alignment;
 }
 
+at::Tensor aligned_for_cudnn(const at::Tensor& t, at::MemoryFormat format, bool* copied) {
+  if (pointer_alignment(t) >= 16) {
+    return t;
+  }
+  if (copied != nullptr) {
+    *copied = true;
+  }
+  return t.clone(format);
+}
+
 std::string last_cudnn_error() {
   char message[1024] = {0};
   cudnnGetLastErrorString(message, sizeof(message));
@@ -69,6 +79,10 @@ const Knobs& knobs() {
     TORCH_CHECK_VALUE(
         result.autotune == "auto" || result.autotune == "off" || result.autotune == "on",
         "TORCH_CONVBIAS_AUTOTUNE must be auto, off or on, got '", result.autotune, "'");
+    result.param_grad = env_or("TORCH_CONVBIAS_PARAM_GRAD", "aten");
+    TORCH_CHECK_VALUE(
+        result.param_grad == "aten" || result.param_grad == "cudnn",
+        "TORCH_CONVBIAS_PARAM_GRAD must be aten or cudnn, got '", result.param_grad, "'");
     return result;
   }();
   return k;
@@ -266,6 +280,44 @@ GraphAttempt build_graph_plan(
     result.graph.reset();
   }
   return result;
+}
+
+std::vector<int64_t> channels_last_strides(const std::array<int64_t, 4>& d) {
+  return {d[1] * d[2] * d[3], 1, d[3] * d[1], d[1]};
+}
+
+std::vector<int64_t> as_vector(const std::array<int64_t, 4>& dims) {
+  return {dims.begin(), dims.end()};
+}
+
+bool finalize_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string* why) {
+  if (auto status = graph.validate(); status.is_bad()) {
+    *why = "validate: " + status.get_message();
+    return false;
+  }
+  if (auto status = graph.build_operation_graph(handle); status.is_bad()) {
+    const std::string cudnn_message = last_cudnn_error();
+    *why = "build_operation_graph: " + status.get_message() + (cudnn_message.empty() ? "" : " (cuDNN: " + cudnn_message + ")");
+    return false;
+  }
+  return true;
+}
+
+bool exhaustive_tuning(const MathFlags& flags) {
+  const auto& k = knobs();
+  return !stream_is_capturing() && (k.autotune == "on" || (k.autotune == "auto" && flags.benchmark));
+}
+
+SelectionPolicy default_policy(at::ScalarType dtype, const MathFlags& flags) {
+  const auto& k = knobs();
+  const bool capturing = stream_is_capturing();
+  const bool untimed = capturing || k.autotune == "off";
+  return SelectionPolicy{
+      /*float32_io=*/dtype == at::kFloat,
+      flags,
+      /*max_candidates=*/untimed ? 1 : (exhaustive_tuning(flags) ? 8 : 3),
+      /*time_candidates=*/!untimed,
+      /*allow_runtime_compiled=*/k.allow_runtime_compiled && !capturing};
 }
 
 } // namespace convbias::cuda

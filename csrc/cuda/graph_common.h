@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <cudnn_frontend.h>
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <string>
@@ -23,6 +24,10 @@ fe::DataType_t to_frontend_dtype(at::ScalarType t);
 // of their cache key; cuDNN 9.19 still rejects pointers below 16 bytes at execution, so callers realign first.
 int64_t pointer_alignment(const at::Tensor& t);
 
+// `t` itself when its data pointer is 16-byte aligned, else a copy in `format`: cuDNN 9.19 rejects pointers
+// below 16 bytes at execution (BAD_PARAM_MISALIGNED_POINTER) even when the graph declares less.
+at::Tensor aligned_for_cudnn(const at::Tensor& t, at::MemoryFormat format, bool* copied = nullptr);
+
 // cuDNN's own description of its last error (cudnnGetLastErrorString), or "" when it has none.
 std::string last_cudnn_error();
 
@@ -32,6 +37,7 @@ struct Knobs {
   bool allow_runtime_compiled; // TORCH_CONVBIAS_NO_RUNTIME_COMPILATION=1 excludes NVRTC engines
   std::string path; // TORCH_CONVBIAS_PATH: auto | fused | unfused | aten
   std::string autotune; // TORCH_CONVBIAS_AUTOTUNE: auto | off | on
+  std::string param_grad; // TORCH_CONVBIAS_PARAM_GRAD: aten (default until verified on a GPU) | cudnn
 };
 const Knobs& knobs();
 
@@ -81,6 +87,20 @@ float time_on_stream(const std::function<void()>& fn);
 
 // Whether the current stream is capturing a CUDA graph (no synchronisation, no timing allowed then).
 bool stream_is_capturing();
+
+// Fully packed NHWC strides of NCHW-ordered dims: the layout the fusion engines take (and dims as a vector).
+std::vector<int64_t> channels_last_strides(const std::array<int64_t, 4>& dims);
+std::vector<int64_t> as_vector(const std::array<int64_t, 4>& dims);
+
+// validate() and build_operation_graph(); false with the reason (cuDNN's too) when cuDNN refuses the graph.
+bool finalize_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string* why);
+
+// The selection policy for a graph of `dtype` under `flags`, the environment knobs and capture state: 3 timed
+// candidates by default, 8 with cudnn.benchmark (or TORCH_CONVBIAS_AUTOTUNE=on), 1 untimed when capturing or off.
+SelectionPolicy default_policy(at::ScalarType dtype, const MathFlags& flags);
+
+// Whether the policy is the exhaustive one (cudnn.benchmark or TORCH_CONVBIAS_AUTOTUNE=on), outside capture.
+bool exhaustive_tuning(const MathFlags& flags);
 
 // Tensor uid -> data pointer, as the graphs' execute takes them.
 using VariantPack = std::unordered_map<int64_t, void*>;

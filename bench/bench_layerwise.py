@@ -1,0 +1,257 @@
+"""Layer-wise training-step benchmark: one conv layer's whole step with ``ConvBias2d`` against ``nn.Conv2d``.
+
+In layer-wise training the layer's input comes detached from the frozen layers below, so backward needs only the
+weight and bias gradients. One step, for every numeric mode and shape of the forward suite
+(``bench_forward.SUITE``)::
+
+    out = layer(x)                  # x channels_last, requires_grad=False
+    out.backward(grad_seed)         # the gradient of (out * grad_seed).sum(), without spending passes on the loss
+    optimizer.step()                # torch.optim.SGD(layer.parameters(), lr=0.01, momentum=0.9), default settings
+    optimizer.zero_grad(set_to_none=True)
+
+``grad_seed`` is a fixed random tensor ~ N(0, 1) / sqrt(N * Ho * Wo) (weight gradients of order one, as with a
+mean-reduced loss, so that hundreds of momentum steps keep the weights, and fp16 outputs, finite). Both layers
+start from the same parameters (``load_state_dict``); module, input and gradient are channels_last. bf16 and fp16
+run pure low-precision training as the forward benchmark does: parameters, momentum buffers and activations in
+that dtype, no autocast, no fp32 master weights; ``tf32`` is float32 with TF32 allowed.
+
+==================  ===========================================================================================
+ours_step           the step above with ``torch_convbias.ConvBias2d``
+torch_step          the step above with ``torch.nn.Conv2d`` (the baseline)
+ours_forward        ``layer(x)`` alone, in grad mode as in the step (graph built, then dropped): the breakdown
+torch_forward       the same with ``nn.Conv2d``
+==================  ===========================================================================================
+
+Ratios: ``speedup = torch_step / ours_step`` (targets: geomean >= 1.8 bf16, >= 1.45 tf32, >= 1.10 fp32, no shape
+below 1.0x) and ``forward_speedup = torch_forward / ours_forward``; rows also give backward + update as step -
+forward (differences of medians: an estimate) and its speedup. Numerics (recorded, not fatal): forward output,
+weight and bias gradients and the parameters after the first step, ours against nn.Conv2d with the mode's
+tolerance, atol scaled by max|reference|. Run from the repository root: ``python -m bench.bench_layerwise``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import torch_convbias
+
+from . import harness
+from .bench_forward import check_numerics
+from .common import Mode, geomean
+
+NAME = "layerwise"
+SCHEMA = "torch_convbias.bench_layerwise/1"
+
+# Geometric-mean speedup (torch_step / ours_step) goals per mode; fp16 has none. No shape below 1.0x in any mode.
+TARGETS: dict[str, float] = {"bf16": 1.8, "tf32": 1.45, "fp32": 1.10}
+
+LR, MOMENTUM = 0.01, 0.9
+
+VARIANTS: dict[str, str] = {
+    "ours_step": (
+        "ConvBias2d: out = layer(x); out.backward(grad_seed); SGD(lr=0.01, momentum=0.9).step(); "
+        "zero_grad(set_to_none=True)"
+    ),
+    "torch_step": "the same step with nn.Conv2d",
+    "ours_forward": "ConvBias2d: layer(x) in grad mode, output dropped",
+    "torch_forward": "nn.Conv2d: layer(x) in grad mode, output dropped",
+}
+
+RATIOS: dict[str, tuple[str, str]] = {
+    "speedup": ("torch_step", "ours_step"),
+    "forward_speedup": ("torch_forward", "ours_forward"),
+}
+
+ROW_FIELDS = (
+    "ours_backward_update_ms",
+    "torch_backward_update_ms",
+    "backward_update_speedup",
+    "step_ms_saved",
+)
+
+TABLE: list[tuple[str, str, str]] = [
+    ("shape", "label", ""),
+    ("ours_step", "ours_step", ".3f"),
+    ("torch_step", "torch_step", ".3f"),
+    ("ours_fwd", "ours_forward", ".3f"),
+    ("torch_fwd", "torch_forward", ".3f"),
+    ("ours_bwd+upd", "ours_backward_update_ms", ".3f"),
+    ("torch_bwd+upd", "torch_backward_update_ms", ".3f"),
+    ("speedup", "speedup", ".2f"),
+    ("fwd_spd", "forward_speedup", ".2f"),
+    ("bwd+upd_spd", "backward_update_speedup", ".2f"),
+    ("saved_ms", "step_ms_saved", ".3f"),
+    ("num", "numerics", ""),
+    ("status", "status", ""),
+]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The layer being trained
+
+
+@dataclass
+class Layer:
+    """One conv layer with its optimizer, input and fixed output gradient: the unit a layer-wise step trains."""
+
+    module: nn.Conv2d
+    optimizer: torch.optim.SGD
+    x: torch.Tensor
+    grad_seed: torch.Tensor
+
+    def forward(self) -> torch.Tensor:
+        return self.module(self.x)
+
+    def backward(self) -> None:
+        self.forward().backward(self.grad_seed)
+
+    def update(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        self.backward()
+        self.update()
+
+
+def make_layers(shape: harness.Shape, mode: Mode, device: str, seed: int) -> tuple[Layer, Layer]:
+    """(ours, torch): ConvBias2d and nn.Conv2d with the same parameters, input and grad_seed, all channels_last."""
+    torch.manual_seed(seed)
+    args = (shape.c, shape.k, shape.kernel, shape.stride, shape.pad)
+    ref = nn.Conv2d(*args, bias=True, device=device, dtype=mode.dtype)
+    ours = torch_convbias.ConvBias2d(*args, bias=True, device=device, dtype=mode.dtype)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(shape.n, shape.c, shape.h, shape.w, device=device, dtype=mode.dtype)
+    x = x.contiguous(memory_format=torch.channels_last)
+    ho, wo = shape.out_hw
+    grad_seed = torch.randn(shape.n, shape.k, ho, wo, device=device, dtype=mode.dtype) / (shape.n * ho * wo) ** 0.5
+    grad_seed = grad_seed.contiguous(memory_format=torch.channels_last)
+
+    def layer(module: nn.Conv2d) -> Layer:
+        module.to(memory_format=torch.channels_last)
+        return Layer(module, torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM), x, grad_seed)
+
+    return layer(ours), layer(ref)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Measurement of one shape
+
+
+def _param(layer: Layer, name: str) -> torch.Tensor:
+    return getattr(layer.module, name).detach()
+
+
+def _grad(layer: Layer, name: str) -> torch.Tensor:
+    grad = getattr(layer.module, name).grad
+    if grad is None:
+        raise RuntimeError(f"{name}.grad is None after backward")
+    return grad
+
+
+def check_first_step(ours: Layer, ref: Layer, mode: Mode) -> dict[str, Any]:
+    """Forward output, gradients after backward, parameters after the update: ours against nn.Conv2d.
+
+    Runs one complete step on both layers, so they still share their state (up to rounding) when timing starts.
+    """
+    checks = {"output": check_numerics(ours.forward().detach(), ref.forward().detach(), mode)}
+    ours.backward()
+    ref.backward()
+    for name in ("weight", "bias"):
+        checks[f"grad_{name}"] = check_numerics(_grad(ours, name), _grad(ref, name), mode)
+    ours.update()
+    ref.update()
+    for name in ("weight", "bias"):
+        checks[f"{name}_after_step"] = check_numerics(_param(ours, name), _param(ref, name), mode)
+    return harness.check_all(checks)
+
+
+def breakdown(timings: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Backward + update as step - forward (medians; None where not measured or not positive), and the saving."""
+
+    def median(name: str) -> float | None:
+        timing = timings.get(name)
+        return timing["median_ms"] if timing else None
+
+    def rest(side: str) -> float | None:
+        step, forward = median(f"{side}_step"), median(f"{side}_forward")
+        return step - forward if step is not None and forward is not None and step > forward else None
+
+    ours, theirs = rest("ours"), rest("torch")
+    ours_step, torch_step = median("ours_step"), median("torch_step")
+    return {
+        "ours_backward_update_ms": ours,
+        "torch_backward_update_ms": theirs,
+        "backward_update_speedup": theirs / ours if ours and theirs else None,
+        "step_ms_saved": torch_step - ours_step if ours_step is not None and torch_step is not None else None,
+    }
+
+
+def measure(shape: harness.Shape, mode: Mode, device: str, warmup: int, iters: int, seed: int) -> dict[str, Any]:
+    """One checked step on both layers, then the steps and forwards side by side."""
+    ours, ref = make_layers(shape, mode, device, seed)
+    errors: dict[str, str] = {}
+    numerics = harness.run_checks(lambda: check_first_step(ours, ref, mode), errors)
+    variants = {
+        "ours_step": ours.step,
+        "torch_step": ref.step,
+        "ours_forward": ours.forward,
+        "torch_forward": ref.forward,
+    }
+    timings = harness.time_variants(variants, errors, warmup, iters, device)
+    return {
+        "status": "partial" if errors else "ok",
+        "variant_errors": errors,
+        "timings": timings,
+        **harness.ratios(SPEC, timings),
+        **breakdown(timings),
+        "numerics": numerics,
+    }
+
+
+def summarize_breakdown(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return {"geomean_backward_update_speedup": geomean(r["backward_update_speedup"] for r in rows)}
+
+
+def describe_breakdown(summary: dict[str, Any]) -> str:
+    return (
+        f"breakdown: forward geomean {harness.fmt(summary['geomean_forward_speedup'])}x, "
+        f"backward + update (step - forward) geomean {harness.fmt(summary['geomean_backward_update_speedup'])}x"
+    )
+
+
+SPEC = harness.Spec(
+    name=NAME,
+    schema=SCHEMA,
+    description=__doc__ or "",
+    variants=VARIANTS,
+    ratios=RATIOS,
+    headline="speedup",
+    targets=TARGETS,
+    row_fields=ROW_FIELDS,
+    table=TABLE,
+    legend="speedup: torch_step / ours_step; fwd_spd: forward only; bwd+upd: step - forward (estimate)",
+    config={
+        "optimizer": {"type": "torch.optim.SGD", "lr": LR, "momentum": MOMENTUM, "zero_grad": "set_to_none=True"},
+        "loss": "out.backward(grad_seed), grad_seed ~ N(0, 1) / sqrt(N * Ho * Wo): the gradient of (out * grad_seed).sum()",
+        "precision": "module, momentum and activations in the mode's dtype (no autocast, no fp32 master weights)",
+        "input_requires_grad": False,
+    },
+    summarize_extra=summarize_breakdown,
+    describe_extra=describe_breakdown,
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; returns the exit status (0 also when targets are missed: that is a result)."""
+    return harness.run(SPEC, harness.parse_args(SPEC, argv), measure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+#include "cuda/wgrad.h"
+
+#include <ATen/ATen.h>
+
+#include <sstream>
+
+namespace convbias::cuda {
+namespace {
+
+constexpr int64_t kX = 1, kDY = 2, kDW = 3;
+
+// dw = conv_wgrad(dy, x): FLOAT accumulation, written once in the I/O dtype, KRSC (channels_last) layout.
+std::shared_ptr<fe::graph::Graph> make_graph(const WgradProblem& p, cudnnHandle_t handle, std::string* why) {
+  auto graph = std::make_shared<fe::graph::Graph>();
+  const fe::DataType_t io = to_frontend_dtype(p.dtype);
+  graph->set_io_data_type(io)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  auto x = graph->tensor(fe::graph::Tensor_attributes()
+                             .set_name("x")
+                             .set_uid(kX)
+                             .set_dim(as_vector(p.x_dims))
+                             .set_stride(channels_last_strides(p.x_dims))
+                             .set_alignment(p.alignments[0]));
+  auto dy = graph->tensor(fe::graph::Tensor_attributes()
+                              .set_name("dy")
+                              .set_uid(kDY)
+                              .set_dim(as_vector(p.dy_dims))
+                              .set_stride(channels_last_strides(p.dy_dims))
+                              .set_alignment(p.alignments[1]));
+  const auto& c = p.params;
+  auto dw = graph->conv_wgrad(
+      dy, x,
+      fe::graph::Conv_wgrad_attributes()
+          .set_name("wgrad")
+          .set_pre_padding({c.padding[0], c.padding[1]})
+          .set_post_padding({c.padding[0], c.padding[1]})
+          .set_stride({c.stride[0], c.stride[1]})
+          .set_dilation({c.dilation[0], c.dilation[1]})
+          .set_compute_data_type(fe::DataType_t::FLOAT));
+  dw->set_output(true)
+      .set_uid(kDW)
+      .set_data_type(io)
+      .set_dim(as_vector(p.w_dims))
+      .set_stride(channels_last_strides(p.w_dims))
+      .set_alignment(p.alignments[2]);
+  return finalize_graph(*graph, handle, why) ? graph : nullptr;
+}
+
+VariantPack variant_pack(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw) {
+  return {{kX, x.data_ptr()}, {kDY, dy.data_ptr()}, {kDW, dw.data_ptr()}};
+}
+
+std::shared_ptr<const WgradPlan> build_plan(
+    const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw) {
+  auto plan = std::make_shared<WgradPlan>();
+  const SelectionPolicy policy = default_policy(p.dtype, p.flags);
+  plan->tuned = policy.time_candidates && policy.max_candidates > 1;
+  GraphAttempt attempt = build_graph_plan(
+      [&](cudnnHandle_t handle, std::string* why) { return make_graph(p, handle, why); }, policy,
+      variant_pack(x, dy, dw), x.device(), [&] { return "conv_wgrad graph for " + p.describe(); });
+  if (!attempt.failure.empty()) {
+    plan->notes.push_back("conv_wgrad graph rejected: " + attempt.failure + "; running ATen's convolution backward");
+    return plan;
+  }
+  plan->graph = attempt.graph;
+  plan->engine = attempt.engine;
+  return plan;
+}
+
+} // namespace
+
+PlanKey WgradProblem::key() const {
+  PlanKey key;
+  auto& f = key.fields;
+  f.reserve(36);
+  f.push_back(2); // graph kind: weight gradient
+  f.push_back(static_cast<int64_t>(dtype));
+  f.push_back(device);
+  for (const auto* dims : {&x_dims, &dy_dims, &w_dims}) {
+    f.insert(f.end(), dims->begin(), dims->end());
+  }
+  for (int d = 0; d < 2; ++d) {
+    f.push_back(params.stride[d]);
+    f.push_back(params.padding[d]);
+    f.push_back(params.dilation[d]);
+  }
+  f.insert(f.end(), alignments.begin(), alignments.end());
+  f.push_back(flags.allow_tf32 && dtype == at::kFloat);
+  f.push_back(flags.deterministic);
+  f.push_back(flags.benchmark);
+  return key;
+}
+
+std::string WgradProblem::describe() const {
+  std::ostringstream s;
+  s << "input " << at::IntArrayRef(x_dims) << ", grad_output " << at::IntArrayRef(dy_dims) << ", weight "
+    << at::IntArrayRef(w_dims) << " (all channels_last), " << dtype << ", stride " << at::IntArrayRef(params.stride)
+    << ", padding " << at::IntArrayRef(params.padding) << ", dilation " << at::IntArrayRef(params.dilation)
+    << ", groups " << params.groups;
+  return s.str();
+}
+
+PlanCache<WgradPlan>& wgrad_cache() {
+  static PlanCache<WgradPlan> cache(knobs().cache_size);
+  return cache;
+}
+
+std::optional<at::Tensor> weight_grad(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight, const ConvParams& params) {
+  constexpr auto cl = at::MemoryFormat::ChannelsLast;
+  at::Tensor dw = at::empty(weight.sizes(), weight.options().memory_format(cl));
+  WgradProblem p;
+  p.dtype = x.scalar_type();
+  p.device = x.device().index();
+  for (int i = 0; i < 4; ++i) {
+    p.x_dims[i] = x.size(i);
+    p.dy_dims[i] = dy.size(i);
+    p.w_dims[i] = weight.size(i);
+  }
+  p.params = params;
+  p.alignments = {pointer_alignment(x), pointer_alignment(dy), pointer_alignment(dw)};
+  p.flags = current_math_flags();
+  const auto plan = wgrad_cache().get_or_build(p.key(), [&] { return build_plan(p, x, dy, dw); }, nullptr);
+  if (!plan->graph) {
+    return std::nullopt;
+  }
+  VariantPack pack = variant_pack(x, dy, dw);
+  at::Tensor workspace = at::empty({plan->engine.workspace_bytes}, x.options().dtype(at::kByte));
+  execute_graph(*plan->graph, plan->engine.plan_index, workspace.data_ptr(), pack, [&] {
+    return "conv_wgrad graph for " + p.describe();
+  });
+  return dw.contiguous(is_channels_last(weight) ? cl : at::MemoryFormat::Contiguous);
+}
+
+} // namespace convbias::cuda

@@ -1,0 +1,44 @@
+// The weight gradient on a cuDNN conv_wgrad graph (channels_last dy and x), with the same plan cache, engine
+// selection, note filters and diagnostics as the forward.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "conv_args.h"
+#include "cuda/graph_common.h"
+#include "cuda/plan_cache.h"
+
+namespace convbias::cuda {
+
+struct WgradProblem {
+  at::ScalarType dtype;
+  c10::DeviceIndex device;
+  std::array<int64_t, 4> x_dims, dy_dims, w_dims;
+  ConvParams params;
+  std::array<int64_t, 3> alignments; // x, dy, dw in bytes
+  MathFlags flags;
+
+  PlanKey key() const;
+  std::string describe() const;
+};
+
+struct WgradPlan {
+  std::shared_ptr<fe::graph::Graph> graph; // null: no graph builds, the caller runs ATen
+  EngineChoice engine;
+  bool tuned = false;
+  std::vector<std::string> notes;
+};
+
+PlanCache<WgradPlan>& wgrad_cache();
+
+// grad_weight of the convolution for channels_last `dy` and `x` (16-byte aligned), in `weight`'s memory format,
+// or nullopt when no cuDNN graph builds for the problem (the caller falls back to ATen).
+std::optional<at::Tensor> weight_grad(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight, const ConvParams& params);
+
+} // namespace convbias::cuda
