@@ -138,11 +138,11 @@ class Problem:
     ours_out: torch.Tensor  # ConvBias2d(x), same parameters' values
     ours_params: tuple[torch.Tensor, torch.Tensor]
 
-    def ours(self, mask: list[bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def run_ours(self, mask: list[bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         args = (self.grad_output, self.x, self.w, self.stride, self.padding, self.dilation, 1, mask)
         return torch.ops.convbias.param_grad(*args)
 
-    def torch(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    def run_torch(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         return torch.ops.aten.convolution_backward(
             self.grad_output, self.x, self.w, [self.w.shape[0]], self.stride, self.padding, self.dilation,
             False, [0, 0], 1, [False, True, True],
@@ -151,11 +151,11 @@ class Problem:
     def variants(self) -> dict[str, Callable[[], object]]:
         go = self.grad_output
         return {
-            "ours": lambda: self.ours([True, True]),
-            "torch": self.torch,
+            "ours": lambda: self.run_ours([True, True]),
+            "torch": self.run_torch,
             "torch_autograd": lambda: torch.autograd.grad(self.torch_out, self.torch_params, go, retain_graph=True),
             "ours_autograd": lambda: torch.autograd.grad(self.ours_out, self.ours_params, go, retain_graph=True),
-            "ours_bias_only": lambda: self.ours([False, True]),
+            "ours_bias_only": lambda: self.run_ours([False, True]),
             "torch_bias_only": lambda: go.sum((0, 2, 3), dtype=torch.float32),
         }
 
@@ -252,8 +252,8 @@ def bandwidth_fields(
 
 def check(problem: Problem, ours: tuple[torch.Tensor, torch.Tensor], mode: Mode) -> dict[str, Any]:
     """ours against torch (grad_weight, grad_bias) and the two bias-only variants, atol scaled by max|ref|."""
-    _, ref_weight, ref_bias = problem.torch()
-    _, bias_only = problem.ours([False, True])
+    _, ref_weight, ref_bias = problem.run_torch()
+    _, bias_only = problem.run_ours([False, True])
     assert ref_weight is not None and ref_bias is not None and bias_only is not None  # masks ask for them
     summed = problem.grad_output.sum((0, 2, 3), dtype=torch.float32)
     return harness.check_all(
@@ -330,6 +330,8 @@ def summarize_bias(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def describe_bias(summary: dict[str, Any]) -> str:
+    if not summary["bias_large_shapes"]:
+        return f"bias grad bandwidth: no grad_output >= {BIAS_LARGE_BYTES >> 20} MiB in this run, no verdict"
     verdict = {True: "PASS", False: "MISS", None: "INCOMPLETE"}[summary["target_bias_bw_pass"]]
     return (
         f"bias grad on {len(summary['bias_large_shapes'])} grad_outputs >= {BIAS_LARGE_BYTES >> 20} MiB: "

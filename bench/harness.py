@@ -100,7 +100,7 @@ class Spec:
     table: Sequence[tuple[str, str, str]]  # (header, key, format) of the per-mode table
     legend: str  # one line above each table
     config: Mapping[str, Any] = field(default_factory=dict)  # more to record in the config
-    # Extra summary fields from a mode's measured rows, and a line describing them (both optional).
+    # Extra summary fields from one mode's rows (skipped ones left out) and a line printing them; both optional.
     summarize_extra: Callable[[Sequence[dict[str, Any]]], dict[str, Any]] | None = None
     describe_extra: Callable[[dict[str, Any]], str] | None = None
 
