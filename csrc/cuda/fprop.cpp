@@ -13,33 +13,10 @@ constexpr int64_t kX = 1, kW = 2, kB = 3, kY = 4;
 // Returns nullptr and the reason when cuDNN does not accept the graph itself.
 std::shared_ptr<fe::graph::Graph> make_graph(
     const FpropProblem& p, bool with_bias, cudnnHandle_t handle, std::string* why) {
-  auto graph = std::make_shared<fe::graph::Graph>();
-  const fe::DataType_t io = to_frontend_dtype(p.dtype);
-  graph->set_io_data_type(io)
-      .set_intermediate_data_type(fe::DataType_t::FLOAT)
-      .set_compute_data_type(fe::DataType_t::FLOAT);
-  auto x = graph->tensor(fe::graph::Tensor_attributes()
-                             .set_name("x")
-                             .set_uid(kX)
-                             .set_dim(as_vector(p.x_dims))
-                             .set_stride(channels_last_strides(p.x_dims))
-                             .set_alignment(p.alignments[0]));
-  auto w = graph->tensor(fe::graph::Tensor_attributes()
-                             .set_name("w")
-                             .set_uid(kW)
-                             .set_dim(as_vector(p.w_dims))
-                             .set_stride(channels_last_strides(p.w_dims))
-                             .set_alignment(p.alignments[1]));
-  const auto& c = p.params;
-  auto conv = graph->conv_fprop(
-      x, w,
-      fe::graph::Conv_fprop_attributes()
-          .set_name("conv")
-          .set_pre_padding({c.padding[0], c.padding[1]})
-          .set_post_padding({c.padding[0], c.padding[1]})
-          .set_stride({c.stride[0], c.stride[1]})
-          .set_dilation({c.dilation[0], c.dilation[1]})
-          .set_compute_data_type(fe::DataType_t::FLOAT));
+  auto graph = new_graph(p.dtype);
+  auto x = nhwc_tensor(*graph, "x", kX, p.x_dims, p.alignments[0]);
+  auto w = nhwc_tensor(*graph, "w", kW, p.w_dims, p.alignments[1]);
+  auto conv = graph->conv_fprop(x, w, with_conv_params(fe::graph::Conv_fprop_attributes().set_name("conv"), p.params));
   std::shared_ptr<fe::graph::Tensor_attributes> y = conv;
   if (with_bias) {
     conv->set_data_type(fe::DataType_t::FLOAT).set_dim(as_vector(p.y_dims)).set_stride(channels_last_strides(p.y_dims));
@@ -59,7 +36,7 @@ std::shared_ptr<fe::graph::Graph> make_graph(
   }
   y->set_output(true)
       .set_uid(kY)
-      .set_data_type(io)
+      .set_data_type(to_frontend_dtype(p.dtype))
       .set_dim(as_vector(p.y_dims))
       .set_stride(channels_last_strides(p.y_dims))
       .set_alignment(p.alignments[3]);

@@ -290,6 +290,24 @@ std::vector<int64_t> as_vector(const std::array<int64_t, 4>& dims) {
   return {dims.begin(), dims.end()};
 }
 
+std::shared_ptr<fe::graph::Graph> new_graph(at::ScalarType io_dtype) {
+  auto graph = std::make_shared<fe::graph::Graph>();
+  graph->set_io_data_type(to_frontend_dtype(io_dtype))
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  return graph;
+}
+
+std::shared_ptr<fe::graph::Tensor_attributes> nhwc_tensor(
+    fe::graph::Graph& graph, const char* name, int64_t uid, const std::array<int64_t, 4>& dims, int64_t alignment) {
+  return graph.tensor(fe::graph::Tensor_attributes()
+                          .set_name(name)
+                          .set_uid(uid)
+                          .set_dim(as_vector(dims))
+                          .set_stride(channels_last_strides(dims))
+                          .set_alignment(alignment));
+}
+
 bool finalize_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string* why) {
   if (auto status = graph.validate(); status.is_bad()) {
     *why = "validate: " + status.get_message();

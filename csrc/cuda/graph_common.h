@@ -6,6 +6,8 @@
 #include <ATen/core/Tensor.h>
 #include <cudnn_frontend.h>
 
+#include "conv_args.h"
+
 #include <array>
 #include <functional>
 #include <memory>
@@ -91,6 +93,24 @@ bool stream_is_capturing();
 // Fully packed NHWC strides of NCHW-ordered dims: the layout the fusion engines take (and dims as a vector).
 std::vector<int64_t> channels_last_strides(const std::array<int64_t, 4>& dims);
 std::vector<int64_t> as_vector(const std::array<int64_t, 4>& dims);
+
+// An empty graph with `io_dtype` inputs/outputs, FLOAT intermediates and FLOAT compute.
+std::shared_ptr<fe::graph::Graph> new_graph(at::ScalarType io_dtype);
+
+// Conv_fprop/Conv_wgrad attributes with `params` (symmetric pre/post padding, stride, dilation) and FLOAT compute.
+template <typename ConvAttributes>
+ConvAttributes with_conv_params(ConvAttributes attributes, const ConvParams& c) {
+  attributes.set_pre_padding({c.padding[0], c.padding[1]})
+      .set_post_padding({c.padding[0], c.padding[1]})
+      .set_stride({c.stride[0], c.stride[1]})
+      .set_dilation({c.dilation[0], c.dilation[1]})
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  return attributes;
+}
+
+// A graph tensor of NCHW-ordered `dims` laid out channels_last (fully packed NHWC).
+std::shared_ptr<fe::graph::Tensor_attributes> nhwc_tensor(
+    fe::graph::Graph& graph, const char* name, int64_t uid, const std::array<int64_t, 4>& dims, int64_t alignment);
 
 // validate() and build_operation_graph(); false with the reason (cuDNN's too) when cuDNN refuses the graph.
 bool finalize_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string* why);

@@ -11,36 +11,13 @@ constexpr int64_t kX = 1, kDY = 2, kDW = 3;
 
 // dw = conv_wgrad(dy, x): FLOAT accumulation, written once in the I/O dtype, KRSC (channels_last) layout.
 std::shared_ptr<fe::graph::Graph> make_graph(const WgradProblem& p, cudnnHandle_t handle, std::string* why) {
-  auto graph = std::make_shared<fe::graph::Graph>();
-  const fe::DataType_t io = to_frontend_dtype(p.dtype);
-  graph->set_io_data_type(io)
-      .set_intermediate_data_type(fe::DataType_t::FLOAT)
-      .set_compute_data_type(fe::DataType_t::FLOAT);
-  auto x = graph->tensor(fe::graph::Tensor_attributes()
-                             .set_name("x")
-                             .set_uid(kX)
-                             .set_dim(as_vector(p.x_dims))
-                             .set_stride(channels_last_strides(p.x_dims))
-                             .set_alignment(p.alignments[0]));
-  auto dy = graph->tensor(fe::graph::Tensor_attributes()
-                              .set_name("dy")
-                              .set_uid(kDY)
-                              .set_dim(as_vector(p.dy_dims))
-                              .set_stride(channels_last_strides(p.dy_dims))
-                              .set_alignment(p.alignments[1]));
-  const auto& c = p.params;
-  auto dw = graph->conv_wgrad(
-      dy, x,
-      fe::graph::Conv_wgrad_attributes()
-          .set_name("wgrad")
-          .set_pre_padding({c.padding[0], c.padding[1]})
-          .set_post_padding({c.padding[0], c.padding[1]})
-          .set_stride({c.stride[0], c.stride[1]})
-          .set_dilation({c.dilation[0], c.dilation[1]})
-          .set_compute_data_type(fe::DataType_t::FLOAT));
+  auto graph = new_graph(p.dtype);
+  auto x = nhwc_tensor(*graph, "x", kX, p.x_dims, p.alignments[0]);
+  auto dy = nhwc_tensor(*graph, "dy", kDY, p.dy_dims, p.alignments[1]);
+  auto dw = graph->conv_wgrad(dy, x, with_conv_params(fe::graph::Conv_wgrad_attributes().set_name("wgrad"), p.params));
   dw->set_output(true)
       .set_uid(kDW)
-      .set_data_type(io)
+      .set_data_type(to_frontend_dtype(p.dtype))
       .set_dim(as_vector(p.w_dims))
       .set_stride(channels_last_strides(p.w_dims))
       .set_alignment(p.alignments[2]);
