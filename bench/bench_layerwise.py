@@ -42,8 +42,7 @@ from torch import nn
 import torch_convbias
 
 from . import harness
-from .bench_forward import check_numerics
-from .common import Mode, geomean
+from .common import Mode, check_numerics, fmt, geomean
 
 NAME = "layerwise"
 SCHEMA = "torch_convbias.bench_layerwise/1"
@@ -221,8 +220,8 @@ def summarize_breakdown(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def describe_breakdown(summary: dict[str, Any]) -> str:
     return (
-        f"breakdown: forward geomean {harness.fmt(summary['geomean_forward_speedup'])}x, "
-        f"backward + update (step - forward) geomean {harness.fmt(summary['geomean_backward_update_speedup'])}x"
+        f"breakdown: forward geomean {fmt(summary['geomean_forward_speedup'])}x, "
+        f"backward + update (step - forward) geomean {fmt(summary['geomean_backward_update_speedup'])}x"
     )
 
 

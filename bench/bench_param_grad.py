@@ -46,8 +46,7 @@ from torch import nn
 import torch_convbias
 
 from . import harness
-from .bench_forward import check_numerics, free_memory
-from .common import Mode, geomean, time_cuda
+from .common import Mode, check_numerics, fmt, free_memory, geomean, short_error, time_cuda, verdict
 
 NAME = "param_grad"
 SCHEMA = "torch_convbias.bench_param_grad/1"
@@ -218,7 +217,7 @@ def measure_copy_bandwidth(device: str, warmup: int, iters: int) -> dict[str, An
         timing = _time_copy(nbytes, device, warmup, iters)
         record.update(timing=timing, gbps=2 * nbytes / timing["median_ms"] / 1e6, error=None)
     except Exception as error:  # noqa: BLE001 - OOM included: fractions are then null, the rest still runs
-        record.update(timing=None, gbps=None, error=harness.short_error(error))
+        record.update(timing=None, gbps=None, error=short_error(error))
     free_memory(device)
     return record
 
@@ -265,11 +264,6 @@ def check(problem: Problem, ours: tuple[torch.Tensor, torch.Tensor], mode: Mode)
     )
 
 
-def _tflops(shape: harness.Shape, timing: dict[str, Any] | None) -> float | None:
-    """The weight gradient costs the forward's multiply-adds (bench_forward.Shape.gflop)."""
-    return shape.gflop / timing["median_ms"] if timing and timing["median_ms"] > 0 else None
-
-
 def measure(
     shape: harness.Shape, mode: Mode, device: str, warmup: int, iters: int, seed: int, copy_gbps: float | None
 ) -> dict[str, Any]:
@@ -292,8 +286,9 @@ def measure(
         "variant_errors": errors,
         "timings": timings,
         **harness.ratios(SPEC, timings),
-        "tflops_ours": _tflops(shape, timings.get("ours")),
-        "tflops_torch": _tflops(shape, timings.get("torch")),
+        # The weight gradient costs the forward's multiply-adds (Shape.gflop).
+        "tflops_ours": harness.tflops(shape, timings.get("ours")),
+        "tflops_torch": harness.tflops(shape, timings.get("torch")),
         **bandwidth_fields(shape, mode, timings, copy_gbps),
         "grad_weight_channels_last": channels_last,
         "numerics": numerics,
@@ -332,11 +327,11 @@ def summarize_bias(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def describe_bias(summary: dict[str, Any]) -> str:
     if not summary["bias_large_shapes"]:
         return f"bias grad bandwidth: no grad_output >= {BIAS_LARGE_BYTES >> 20} MiB in this run, no verdict"
-    verdict = {True: "PASS", False: "MISS", None: "INCOMPLETE"}[summary["target_bias_bw_pass"]]
     return (
         f"bias grad on {len(summary['bias_large_shapes'])} grad_outputs >= {BIAS_LARGE_BYTES >> 20} MiB: "
-        f"ours min {harness.fmt(summary['bias_bw_fraction_ours_min_large'])} of copy bandwidth "
-        f"(target >= {BIAS_BW_TARGET} {verdict}), torch min {harness.fmt(summary['bias_bw_fraction_torch_min_large'])}"
+        f"ours min {fmt(summary['bias_bw_fraction_ours_min_large'])} of copy bandwidth "
+        f"(target >= {BIAS_BW_TARGET} {verdict(summary['target_bias_bw_pass'])}), "
+        f"torch min {fmt(summary['bias_bw_fraction_torch_min_large'])}"
     )
 
 
@@ -372,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def measure_copy() -> dict[str, Any]:
         # Once per run, after the device warm-up; every row's bandwidth fraction refers to it.
         copy_bandwidth.update(measure_copy_bandwidth(args.device, args.warmup, args.iters))
-        print(f"copy bandwidth: {harness.fmt(copy_bandwidth['gbps'], '.0f')} GB/s ({copy_bandwidth['error'] or 'ok'})")
+        print(f"copy bandwidth: {fmt(copy_bandwidth['gbps'], '.0f')} GB/s ({copy_bandwidth['error'] or 'ok'})")
         return {"copy_bandwidth": copy_bandwidth}
 
     def measure_shape(

@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: environment record, timing, numeric modes, JSON output, tables.
+"""Helpers shared by the benchmarks: environment record, timing, numeric modes, numerics checks, JSON output,
+tables and the small formatting helpers of their printed output.
 
 Timings are medians of per-iteration measurements after warm-up (CUDA events on the GPU, ``perf_counter`` on
 the CPU). Variants that are compared with each other are timed side by side, interleaved in one loop, so that
@@ -8,6 +9,7 @@ clock or thermal drift during a run affects all of them alike.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -163,6 +165,24 @@ def mode_flags(mode: Mode, cudnn_benchmark: bool | None = None) -> Iterator[None
         ) = saved
 
 
+def check_numerics(actual: torch.Tensor, expected: torch.Tensor, mode: Mode) -> dict[str, Any]:
+    """``actual`` against ``expected`` with the mode's tolerance, atol scaled by max(1, max|expected|).
+
+    Records the outcome (passed, message, max error), never raises.
+    """
+    scale = max(1.0, expected.abs().amax().item()) if expected.numel() else 1.0
+    result: dict[str, Any] = {"rtol": mode.rtol, "atol": mode.atol * scale, "scale": scale}
+    if actual.shape != expected.shape:
+        return {**result, "passed": False, "message": f"shape {list(actual.shape)} != {list(expected.shape)}"}
+    error = (actual.float() - expected.float()).abs().amax().item() if actual.numel() else 0.0
+    result.update(max_abs_err=error, max_err_over_scale=error / scale)
+    try:
+        torch.testing.assert_close(actual, expected, rtol=mode.rtol, atol=mode.atol * scale)
+    except AssertionError as failure:
+        return {**result, "passed": False, "message": " ".join(str(failure).split())[:500]}
+    return {**result, "passed": True, "message": None}
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Timing
 
@@ -254,6 +274,13 @@ def synchronize(device: str | torch.device | None = None) -> None:
         torch.cuda.synchronize()
 
 
+def free_memory(device: str) -> None:
+    """Return cached blocks between shapes so one large shape's leftovers cannot push the next into OOM."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def wall_ms(fn: Callable[[], object], device: str | torch.device | None = None) -> tuple[float, object]:
     """Wall time of one synchronized call (for cold first calls, where events would miss host work)."""
     synchronize(device)
@@ -335,3 +362,24 @@ def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, 
         )
         if n == 0:
             print("  ".join("-" * w for w in widths))
+
+
+def short_error(error: BaseException) -> str:
+    """An exception as one line for the JSON and the log: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:500]
+
+
+def fmt(value: float | None, spec: str = ".2f") -> str:
+    """A number for a printed line, ``-`` where it was not measured."""
+    return "-" if value is None else format(value, spec)
+
+
+def verdict(passed: bool | None) -> str:
+    """A target's outcome as printed: PASS, MISS, or INCOMPLETE where a missing shape leaves no verdict."""
+    return {True: "PASS", False: "MISS", None: "INCOMPLETE"}[passed]
+
+
+def bench_name(benchmark: bool) -> str:
+    """A cudnn.benchmark setting as printed: on or off."""
+    return "on" if benchmark else "off"

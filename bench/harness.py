@@ -1,10 +1,10 @@
-"""The driver shared by the backward benchmarks (``bench_param_grad``, ``bench_layerwise``).
+"""The driver shared by every benchmark (``bench_forward``, ``bench_param_grad``, ``bench_layerwise``).
 
-Same conventions as ``bench_forward``, whose suite, CPU limits, default counts and helpers are imported rather than
-copied: per (cudnn.benchmark setting, mode, shape) one row, variants timed side by side, the JSON rewritten after
-every shape, a failing or out-of-memory shape recorded as that row's status, then per-mode summaries (geomeans,
-worst shape, shapes below 1.0x, PASS/MISS against the targets). Each benchmark describes itself in a
-:class:`Spec` and supplies a ``measure`` function for one shape; everything around it lives here.
+Per (cudnn.benchmark setting, mode, shape) one row, variants timed side by side, the JSON rewritten after every
+shape, a failing or out-of-memory shape recorded as that row's status, then per-mode summaries (geomeans, worst
+shape, shapes below 1.0x, PASS/MISS against the targets). Each benchmark describes itself in a :class:`Spec` and
+supplies a ``measure`` function for one shape; everything around it lives here: the suite of shapes, the command
+line, the plan-cache probes, rows, summaries, tables and the plot.
 
 Not named ``bench_*.py``: ``./dev.sh gpu`` runs every such file as a benchmark.
 """
@@ -16,70 +16,103 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 import torch_convbias
 
-from .bench_forward import (
-    CPU_BATCH,
-    CPU_MAX_HW,
-    DEFAULT_COUNTS,
-    DEFAULT_MODES,
-    QUICK_SUITE,
-    SUITE,
-    Shape,
-    _bench_name,
-    _delta,
-    _fmt,
-    _mode_list,
-    _short,
-    _verdict,
-    cache_clear,
-    cache_info,
-    free_memory,
-    probe,
-    warm_up_device,
-)
 from .common import (
     Mode,
+    bench_name,
     environment,
+    fmt,
+    free_memory,
     geomean,
     mode_flags,
     modes,
     print_table,
     result_path,
+    short_error,
     synchronize,
     time_side_by_side,
+    verdict,
     wall_ms,
     write_json,
 )
 
-# Re-exported for the benchmarks, so that they name one module for the shared pieces.
-__all__ = [
-    "CPU_BATCH",
-    "CPU_MAX_HW",
-    "QUICK_SUITE",
-    "SUITE",
-    "Shape",
-    "Spec",
-    "check_all",
-    "cold_call",
-    "fmt",
-    "parse_args",
-    "ratios",
-    "run",
-    "run_checks",
-    "short_error",
-    "time_variants",
-]
+# --------------------------------------------------------------------------------------------------------------
+# The suite
 
-short_error = _short
-fmt = _fmt
+
+@dataclass(frozen=True)
+class Shape:
+    """A convolution: input N x C x H x W, K output channels, square kernel, stride and padding."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    k: int
+    kernel: int
+    stride: int
+    pad: int
+
+    @property
+    def label(self) -> str:
+        return f"N{self.n} C{self.c} {self.h}x{self.w} K{self.k} k{self.kernel}s{self.stride}p{self.pad}"
+
+    @property
+    def out_hw(self) -> tuple[int, int]:
+        def out(size: int) -> int:
+            return (size + 2 * self.pad - self.kernel) // self.stride + 1
+
+        return out(self.h), out(self.w)
+
+    @property
+    def gflop(self) -> float:
+        """Multiply-adds counted as two flops; the bias add is negligible next to the convolution."""
+        ho, wo = self.out_hw
+        return 2 * self.n * self.k * ho * wo * self.c * self.kernel**2 / 1e9
+
+
+SUITE: tuple[Shape, ...] = tuple(
+    Shape(*dims)
+    for dims in [
+        (16, 16, 16, 16, 16, 3, 1, 1),
+        (256, 64, 32, 32, 64, 3, 1, 1),
+        (1024, 64, 32, 32, 64, 3, 1, 1),
+        (1024, 3, 32, 32, 64, 3, 1, 1),
+        (1024, 128, 16, 16, 128, 3, 1, 1),
+        (1024, 256, 8, 8, 256, 3, 1, 1),
+        (256, 3, 224, 224, 64, 7, 2, 3),
+        (256, 64, 56, 56, 256, 1, 1, 0),
+        (256, 64, 56, 56, 64, 3, 1, 1),
+        (256, 1024, 14, 14, 256, 1, 1, 0),
+        (256, 512, 7, 7, 512, 3, 1, 1),
+    ]
+)
+
+# Smoke-test subset: a tiny problem, a common 3x3 and a 1x1; all small enough for the CPU path too.
+QUICK_SUITE: tuple[Shape, ...] = (
+    Shape(16, 16, 16, 16, 16, 3, 1, 1),
+    Shape(128, 64, 32, 32, 64, 3, 1, 1),
+    Shape(128, 1024, 14, 14, 256, 1, 1, 0),
+)
+
+# On the CPU the benchmarks only exercise the scripts' logic (the ops run ATen's reference there).
+CPU_BATCH = 2
+CPU_MAX_HW = 1024
+
+DEFAULT_MODES = ("fp32", "tf32", "bf16")
+# (warmup, iters) per variant. GPU: each variant runs ~111 times per shape; the heaviest shapes (~60-80 GFLOP) take
+# ~1-3 ms per call in fp32, i.e. a few seconds per shape, so 3 modes x 11 shapes take a minute or two plus
+# autotuning (cudnn.benchmark) and plan builds. CPU: only the logic is tested.
+DEFAULT_COUNTS = {"cuda": (10, 100), "cpu": (1, 3)}
 
 # measure(shape, mode, device, warmup, iters, seed) -> the row's measured fields (timings, ratios, numerics, ...).
 Measure = Callable[[Shape, Mode, str, int, int, int], dict[str, Any]]
@@ -87,30 +120,61 @@ Measure = Callable[[Shape, Mode, str, int, int, int], dict[str, Any]]
 
 @dataclass(frozen=True)
 class Spec:
-    """What distinguishes one benchmark: its names, variants, ratios, targets, table and extra summary."""
+    """What distinguishes one benchmark: its names, variants, ratios, targets, table and extra summary.
+
+    The fields after ``config`` have defaults that suit the backward benchmarks; bench_forward, whose output
+    format came first, sets them to keep that format.
+    """
 
     name: str  # result-file prefix: <name>-<gpu>-<UTC time>.json
     schema: str
     description: str  # the script's docstring, shown by --help
-    variants: Mapping[str, str]  # variant -> what exactly it runs (recorded in the config)
+    variants: Mapping[str, str]  # variant -> what exactly it runs
     ratios: Mapping[str, tuple[str, str]]  # ratio -> (numerator, denominator) variant medians
     headline: str  # the ratio the targets apply to
     targets: Mapping[str, float]  # mode -> goal for the geometric mean of the headline ratio
-    row_fields: Sequence[str]  # measured row keys besides ratios, null in rows that failed
+    # Measured row keys besides ratios, in JSON order, null in rows that failed; "numerics" follows them unless
+    # named here.
+    row_fields: Sequence[str]
     table: Sequence[tuple[str, str, str]]  # (header, key, format) of the per-mode table
     legend: str  # one line above each table
     config: Mapping[str, Any] = field(default_factory=dict)  # more to record in the config
     # Extra summary fields from one mode's rows (skipped ones left out) and a line printing them; both optional.
     summarize_extra: Callable[[Sequence[dict[str, Any]]], dict[str, Any]] | None = None
     describe_extra: Callable[[dict[str, Any]], str] | None = None
+    # Rows measured in grad mode, backward kernels warmed up; False: under torch.no_grad(), forward only.
+    grad_mode: bool = True
+    # The config also records the variants' definitions and the TORCH_CONVBIAS_* knobs in effect.
+    record_definitions: bool = True
+    name_in_titles: bool = True  # table and summary titles start with the benchmark's name
+    headline_definition: str | None = None  # in the summary title; default "<headline> = <num> / <den>"
+    ylabel: str | None = None  # the plot's y axis; default "<headline> = <num> / <den>"
+    # More table cells from a row, and the other ratios' part of the summary line (default "name geomean; ...").
+    display_extra: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    describe_ratios: Callable[[dict[str, Any]], str] | None = None
+
+    @property
+    def headline_ratio(self) -> str:
+        """The headline ratio spelled out: '<headline> = <numerator> / <denominator>'."""
+        num, den = self.ratios[self.headline]
+        return f"{self.headline} = {num} / {den}"
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Command line
 
 
+def mode_list(values: Sequence[str]) -> list[str]:
+    """--modes as given (space- or comma-separated), checked and without repeats."""
+    names = [name for value in values for name in value.split(",") if name]
+    unknown = sorted(set(names) - set(modes()))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {sorted(modes())}")
+    return list(dict.fromkeys(names))
+
+
 def parse_args(spec: Spec, argv: Sequence[str] | None) -> argparse.Namespace:
-    """bench_forward's command line: --modes, --benchmark-cudnn, --quick, --device, --out, --warmup, --iters, ..."""
+    """The benchmarks' command line: --modes, --benchmark-cudnn, --quick, --device, --out, --warmup, --iters, ..."""
     parser = argparse.ArgumentParser(
         prog=f"python -m bench.bench_{spec.name}",
         description=spec.description,
@@ -138,7 +202,7 @@ def parse_args(spec: Spec, argv: Sequence[str] | None) -> argparse.Namespace:
     add("--plot", action="store_true", help=f"also write a PNG of {spec.headline} next to the JSON")
     args = parser.parse_args(argv)
     try:
-        args.modes = _mode_list(args.modes)
+        args.modes = mode_list(args.modes)
     except argparse.ArgumentTypeError as error:
         parser.error(str(error))
     warmup, iters = DEFAULT_COUNTS[args.device]
@@ -150,6 +214,38 @@ def parse_args(spec: Spec, argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Plan cache: optional API of torch_convbias, recorded as null where absent
+
+
+def cache_info() -> dict[str, Any] | None:
+    """torch_convbias.cache_info() (hits, misses, build_seconds, ...), None where the API is absent."""
+    info = getattr(torch_convbias, "cache_info", None)
+    if info is None:
+        return None
+    try:
+        return dict(info())
+    except Exception as error:  # noqa: BLE001 - diagnostics must not stop the benchmark
+        return {"error": short_error(error)}
+
+
+def cache_clear() -> bool:
+    """Empty the plan cache so the next call builds its plan; False where the API does not exist."""
+    clear = getattr(torch_convbias, "cache_clear", None)
+    if clear is None:
+        return False
+    clear()
+    return True
+
+
+def _delta(after: dict[str, Any] | None, before: dict[str, Any] | None, key: str) -> float | None:
+    """after[key] - before[key], None where either statistic is missing."""
+    try:
+        return after[key] - before[key]  # type: ignore[index]
+    except (TypeError, KeyError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Pieces of a measurement
 
 
@@ -157,7 +253,7 @@ def cold_call(fn: Callable[[], Any], device: str) -> tuple[dict[str, Any], Any]:
     """Wall time of ``fn``'s first call after clearing the plan cache, with the cache statistics around it.
 
     Returns (record, fn's result), the result None where the call failed (the record then holds the error).
-    Out-of-memory propagates: the row becomes ``oom``, as in bench_forward.
+    Out-of-memory propagates: the row becomes ``oom``.
     """
     record: dict[str, Any] = {"cache_cleared": cache_clear()}
     before = cache_info()
@@ -166,7 +262,7 @@ def cold_call(fn: Callable[[], Any], device: str) -> tuple[dict[str, Any], Any]:
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as error:  # noqa: BLE001 - recorded; the other variants still run
-        record.update(first_call_ms=None, error=_short(error))
+        record.update(first_call_ms=None, error=short_error(error))
         return record, None
     after = cache_info()
     record.update(
@@ -180,7 +276,7 @@ def cold_call(fn: Callable[[], Any], device: str) -> tuple[dict[str, Any], Any]:
 
 
 def check_all(checks: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
-    """Several ``bench_forward.check_numerics`` results as one: passed if all passed, the failures named."""
+    """Several ``common.check_numerics`` results as one: passed if all passed, the failures named."""
     failed = [name for name, check in checks.items() if not check["passed"]]
     message = "; ".join(f"{name}: {checks[name]['message']}" for name in failed)[:1000] or None
     return {"passed": not failed, "message": message, "checks": dict(checks)}
@@ -194,18 +290,37 @@ def run_checks(check: Callable[[], dict[str, Any]], errors: dict[str, str]) -> d
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as error:  # noqa: BLE001 - recorded, not fatal
-        errors["numerics"] = _short(error)
+        errors["numerics"] = short_error(error)
         return None
 
 
+def probe(variants: Mapping[str, Callable[[], Any]], skip: Iterable[str]) -> dict[str, str]:
+    """Call each variant once (cudnn.benchmark autotunes here); errors by variant instead of raising."""
+    errors: dict[str, str] = {}
+    for name, fn in variants.items():
+        if name in skip:
+            continue
+        try:
+            fn()
+        except Exception as error:  # noqa: BLE001 - OOM included: one variant failing leaves the others
+            errors[name] = short_error(error)
+    return errors
+
+
 def time_variants(
-    variants: Mapping[str, Callable[[], Any]], errors: dict[str, str], warmup: int, iters: int, device: str
+    variants: Mapping[str, Callable[[], Any]],
+    errors: dict[str, str],
+    warmup: int,
+    iters: int,
+    device: str,
+    called: Iterable[str] = (),
 ) -> dict[str, dict[str, Any]]:
     """Call every variant once (cudnn.benchmark autotunes here), then time the ones that worked side by side.
 
-    Variants already in ``errors`` are left out; new failures are added to it.
+    Variants already in ``errors`` are left out, those in ``called`` (already run once, e.g. by the cold call) are
+    not probed again; new failures are added to ``errors``.
     """
-    errors.update(probe(dict(variants), skip=list(errors)))
+    errors.update(probe(variants, skip=[*called, *errors]))
     runnable = {name: fn for name, fn in variants.items() if name not in errors}
     return time_side_by_side(runnable, warmup, iters, device) if runnable else {}
 
@@ -219,20 +334,25 @@ def ratios(spec: Spec, timings: Mapping[str, Mapping[str, Any]]) -> dict[str, fl
     return out
 
 
+def tflops(shape: Shape, timing: Mapping[str, Any] | None) -> float | None:
+    """The shape's convolution flops (:attr:`Shape.gflop`) per median time, in TFLOP/s; None if not measured."""
+    return shape.gflop / timing["median_ms"] if timing and timing["median_ms"] > 0 else None
+
+
 # --------------------------------------------------------------------------------------------------------------
 # One row
 
 
 def empty_row(spec: Spec) -> dict[str, Any]:
     """Every key a row can have, null: failed rows keep the same keys as measured ones."""
+    fields = spec.row_fields if "numerics" in spec.row_fields else (*spec.row_fields, "numerics")
     return {
         "status": None,
         "error": None,
         "variant_errors": {},
         "timings": {},
         **{name: None for name in spec.ratios},
-        **{name: None for name in spec.row_fields},
-        "numerics": None,
+        **{name: None for name in fields},
     }
 
 
@@ -241,7 +361,7 @@ def run_case(
 ) -> dict[str, Any]:
     """One row: a shape under a mode and cudnn.benchmark setting; failures become the status, never an exception.
 
-    Grad mode stays on (unlike the forward benchmark): these benchmarks build autograd graphs.
+    Grad mode is on for the backward benchmarks (they build autograd graphs), off for a forward-only spec.
     """
     shape = dataclasses.replace(requested, n=CPU_BATCH) if args.device == "cpu" else requested
     row: dict[str, Any] = {
@@ -258,12 +378,12 @@ def run_case(
         row.update(status="skipped", error=f"cpu mode skips H*W > {CPU_MAX_HW}")
         return row
     try:
-        with mode_flags(mode, cudnn_benchmark=benchmark):
+        with mode_flags(mode, cudnn_benchmark=benchmark), torch.set_grad_enabled(spec.grad_mode):
             row.update(measure(shape, mode, args.device, args.warmup, args.iters, args.seed))
     except torch.cuda.OutOfMemoryError as error:
-        row.update(status="oom", error=_short(error))
+        row.update(status="oom", error=short_error(error))
     except Exception as error:  # noqa: BLE001 - one broken shape must not lose the rest of the run
-        row.update(status="error", error=_short(error))
+        row.update(status="error", error=short_error(error))
     free_memory(args.device)
     return row
 
@@ -306,19 +426,26 @@ def summarize_rows(spec: Spec, rows: Sequence[dict[str, Any]], mode: str, benchm
     return summary
 
 
+def describe_ratios(spec: Spec, summary: dict[str, Any]) -> str:
+    """The geomeans of the ratios besides the headline, for the summary line."""
+    if spec.describe_ratios is not None:
+        return spec.describe_ratios(summary)
+    return "; ".join(f"{name} {fmt(summary[f'geomean_{name}'])}" for name in spec.ratios if name != spec.headline)
+
+
 def print_summary(spec: Spec, summary: dict[str, Any]) -> None:
+    """One mode's summary: headline geomean against its target, the other ratios, worst shape, misses."""
     key = spec.headline
     target = summary[f"target_geomean_{key}"]
-    goal = f"target >= {target:.2f}x {_verdict(summary['target_geomean_pass'])}" if target else "no target"
-    others = "; ".join(f"{name} {_fmt(summary[f'geomean_{name}'])}" for name in spec.ratios if name != key)
+    goal = f"target >= {target:.2f}x {verdict(summary['target_geomean_pass'])}" if target else "no target"
     print(
-        f"{summary['mode']:>5} bench={_bench_name(summary['cudnn_benchmark']):<3} "
-        f"geomean {key} {_fmt(summary[f'geomean_{key}'])}x ({goal}); {others}"
+        f"{summary['mode']:>5} bench={bench_name(summary['cudnn_benchmark']):<3} "
+        f"geomean {key} {fmt(summary[f'geomean_{key}'])}x ({goal}); {describe_ratios(spec, summary)}"
     )
     print(
-        f"{'':>15}worst {summary['worst_shape']} {_fmt(summary[f'worst_{key}'])}x; "
+        f"{'':>15}worst {summary['worst_shape']} {fmt(summary[f'worst_{key}'])}x; "
         f"below 1.0x: {summary['below_1x']}/{summary['measured']} "
-        f"(target 0 {_verdict(summary['target_no_shape_below_1x_pass'])}); "
+        f"(target 0 {verdict(summary['target_no_shape_below_1x_pass'])}); "
         f"missing {len(summary['missing'])}; numerics failures {len(summary['numerics_failures'])}"
     )
     if spec.describe_extra is not None:
@@ -331,15 +458,14 @@ def display_row(spec: Spec, row: dict[str, Any]) -> dict[str, Any]:
     flat.update({name: row["timings"].get(name, {}).get("median_ms") for name in spec.variants})
     numerics = row["numerics"]
     flat["numerics"] = None if numerics is None else ("ok" if numerics["passed"] else "FAIL")
+    if spec.display_extra is not None:
+        flat.update(spec.display_extra(row))
     return flat
 
 
-def print_mode_table(spec: Spec, rows: Sequence[dict[str, Any]], mode: str, benchmark: bool) -> None:
-    print(f"\n== {spec.name}: {mode}, cudnn.benchmark={_bench_name(benchmark)}: median ms ==")
-    print(spec.legend)
-    mine = [r for r in rows if r["mode"] == mode and r["cudnn_benchmark"] == benchmark]
-    print_table([display_row(spec, r) for r in mine], spec.table)
-    for r in mine:
+def print_problems(rows: Sequence[dict[str, Any]]) -> None:
+    """Below a table: each measured row's variant errors, row error and failed numerics, one line each."""
+    for r in rows:
         if r["status"] == "skipped":
             continue
         problems = {**r["variant_errors"], **({"row": r["error"]} if r["error"] else {})}
@@ -347,6 +473,16 @@ def print_mode_table(spec: Spec, rows: Sequence[dict[str, Any]], mode: str, benc
             print(f"  {r['label']}: {what}: {message}")
         if r["numerics"] and not r["numerics"]["passed"]:
             print(f"  {r['label']}: numerics: {r['numerics']['message']}")
+
+
+def print_mode_table(spec: Spec, rows: Sequence[dict[str, Any]], mode: str, benchmark: bool) -> None:
+    """The table of one mode and cudnn.benchmark setting: median ms per variant, ratios, status, problems."""
+    prefix = f"{spec.name}: " if spec.name_in_titles else ""
+    print(f"\n== {prefix}{mode}, cudnn.benchmark={bench_name(benchmark)}: median ms ==")
+    print(spec.legend)
+    mine = [r for r in rows if r["mode"] == mode and r["cudnn_benchmark"] == benchmark]
+    print_table([display_row(spec, r) for r in mine], spec.table)
+    print_problems(mine)
 
 
 def plot(spec: Spec, results: dict[str, Any], path: Path) -> Path | None:
@@ -383,9 +519,8 @@ def plot(spec: Spec, results: dict[str, Any], path: Path) -> Path | None:
         ax.axhline(1.0, color="black", linewidth=1)
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
-        num, den = spec.ratios[spec.headline]
-        ax.set_ylabel(f"{spec.headline} = {num} / {den}", fontsize=8)
-        ax.set_title(f"cudnn.benchmark={_bench_name(benchmark)}; dotted: geomean targets; 0: not measured", fontsize=9)
+        ax.set_ylabel(spec.ylabel or spec.headline_ratio, fontsize=8)
+        ax.set_title(f"cudnn.benchmark={bench_name(benchmark)}; dotted: geomean targets; 0: not measured", fontsize=9)
         ax.legend(fontsize=8)
     env = results["environment"]
     fig.suptitle(f"convbias {spec.name}, {env['gpu']}, torch {env['torch']}, commit {str(env['commit'])[:10]}")
@@ -396,12 +531,27 @@ def plot(spec: Spec, results: dict[str, Any], path: Path) -> Path | None:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The whole run
+# Warm-up
+
+
+def warm_up_device(selected: Sequence[Mode], device: str) -> None:
+    """Create cuDNN/cuBLAS handles and load the forward kernels once, so the first shape's cold call measures
+    plan building rather than library loading."""
+    x = torch.randn(2, 8, 8, 8, device=device).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, 8, 3, 3, device=device).contiguous(memory_format=torch.channels_last)
+    for mode in selected:
+        with mode_flags(mode), torch.no_grad():
+            try:
+                xm, wm = x.to(mode.dtype), w.to(mode.dtype)
+                F.conv2d(xm, wm, None, 1, 1)
+                torch.ops.convbias.forward(xm, wm, None, [1, 1], [1, 1], [1, 1], 1)
+            except Exception as error:  # noqa: BLE001 - the per-shape runs will record the failure properly
+                print(f"warm-up in {mode.name} failed: {short_error(error)}", file=sys.stderr)
+    synchronize(device)
 
 
 def warm_up_backward(selected: Sequence[Mode], device: str) -> None:
-    """Load the backward kernels once (bench_forward's warm-up covers the forward), so that the first shape's
-    cold call measures plan building rather than library loading."""
+    """Load the backward kernels once (after :func:`warm_up_device`), for the same reason."""
     x = torch.randn(2, 8, 8, 8, device=device).contiguous(memory_format=torch.channels_last)
     w = torch.randn(8, 8, 3, 3, device=device).contiguous(memory_format=torch.channels_last)
     grad = torch.randn(2, 8, 8, 8, device=device).contiguous(memory_format=torch.channels_last)
@@ -414,35 +564,85 @@ def warm_up_backward(selected: Sequence[Mode], device: str) -> None:
                 )
                 torch.ops.convbias.param_grad(gm, xm, wm, [1, 1], [1, 1], [1, 1], 1, [True, True])
             except Exception as error:  # noqa: BLE001 - the per-shape runs will record the failure properly
-                print(f"backward warm-up in {mode.name} failed: {_short(error)}", file=sys.stderr)
+                print(f"backward warm-up in {mode.name} failed: {short_error(error)}", file=sys.stderr)
     synchronize(device)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# The whole run
+
+
+def new_config(spec: Spec, args: argparse.Namespace, suite: Sequence[Shape]) -> dict[str, Any]:
+    """What was asked and how it is defined: options, suite, variants, ratios, targets, optional API, ..."""
+    definitions = {"variant_definitions": dict(spec.variants)} if spec.record_definitions else {}
+    # The extension's knobs (e.g. which param_grad path runs) change what "ours" measures.
+    knobs = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCH_CONVBIAS_")}
+    return {
+        "device": args.device,
+        "modes": args.modes,
+        "benchmark_cudnn": args.benchmark_cudnn,
+        "quick": args.quick,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "seed": args.seed,
+        "suite": [dataclasses.asdict(s) for s in suite],
+        "variants": list(spec.variants),
+        **definitions,
+        "ratios": {name: f"{a} / {b}" for name, (a, b) in spec.ratios.items()},
+        "targets": {f"geomean_{spec.headline}": dict(spec.targets), "max_shapes_below_1x": 0},
+        "optional_api": {n: hasattr(torch_convbias, n) for n in ("cache_clear", "cache_info", "explain")},
+        **({"knobs": knobs} if spec.record_definitions else {}),
+        **spec.config,
+    }
+
+
 def new_results(spec: Spec, args: argparse.Namespace, suite: Sequence[Shape]) -> dict[str, Any]:
-    """The JSON document's head: schema, environment, config (what was asked and how it is defined)."""
+    """The JSON document's head: schema, environment, config."""
     return {
         "schema": spec.schema,
         "environment": environment(),
-        "config": {
-            "device": args.device,
-            "modes": args.modes,
-            "benchmark_cudnn": args.benchmark_cudnn,
-            "quick": args.quick,
-            "warmup": args.warmup,
-            "iters": args.iters,
-            "seed": args.seed,
-            "suite": [dataclasses.asdict(s) for s in suite],
-            "variants": list(spec.variants),
-            "variant_definitions": dict(spec.variants),
-            "ratios": {name: f"{a} / {b}" for name, (a, b) in spec.ratios.items()},
-            "targets": {f"geomean_{spec.headline}": dict(spec.targets), "max_shapes_below_1x": 0},
-            "optional_api": {n: hasattr(torch_convbias, n) for n in ("cache_clear", "cache_info", "explain")},
-            # The extension's knobs (e.g. which param_grad path runs) change what "ours" measures.
-            "knobs": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCH_CONVBIAS_")},
-            **spec.config,
-        },
+        "config": new_config(spec, args, suite),
         "complete": False,
     }
+
+
+def run_suite(
+    spec: Spec, args: argparse.Namespace, measure: Measure, results: dict[str, Any], path: Path
+) -> list[bool]:
+    """Every (cudnn.benchmark setting, mode, shape) row into ``results``, the JSON rewritten after each; a table
+    per mode. Returns the cudnn.benchmark settings run."""
+    selected = [modes()[name] for name in args.modes]
+    settings = {"on": [True], "off": [False], "both": [True, False]}[args.benchmark_cudnn]
+    suite = QUICK_SUITE if args.quick else SUITE
+    for benchmark in settings:
+        for mode in selected:
+            for i, shape in enumerate(suite):
+                begin = time.perf_counter()
+                row = run_case(spec, measure, shape, mode, benchmark, args)
+                results["rows"].append(row)
+                print(
+                    f"[{mode.name} bench={bench_name(benchmark)}] {i + 1}/{len(suite)} {shape.label}: "
+                    f"{row['status']}, {spec.headline} {fmt(row[spec.headline])} "
+                    f"({time.perf_counter() - begin:.1f}s)",
+                    flush=True,
+                )
+                # Rewritten after every shape so that a run killed half-way still leaves its results.
+                write_json(results, args.out, spec.name, path)
+            print_mode_table(spec, results["rows"], mode.name, benchmark)
+    return settings
+
+
+def report(spec: Spec, args: argparse.Namespace, results: dict[str, Any], path: Path) -> None:
+    """The per-mode summaries, the optional plot and where the results are."""
+    prefix = f"{spec.name} " if spec.name_in_titles else ""
+    print(f"\n== {prefix}summary ({spec.headline_definition or spec.headline_ratio}) ==")
+    for summary in results["summaries"]:
+        print_summary(spec, summary)
+    if args.plot:
+        png = plot(spec, results, path.with_suffix(".png"))
+        if png:
+            print(f"plot: {png}")
+    print(f"results: {path} ({results['wall_seconds']:.0f}s)")
 
 
 def run(
@@ -457,10 +657,8 @@ def run(
         print(f"bench_{spec.name}: no CUDA device; use --device cpu to smoke-test the script", file=sys.stderr)
         return 2
     selected = [modes()[name] for name in args.modes]
-    settings = {"on": [True], "off": [False], "both": [True, False]}[args.benchmark_cudnn]
-    suite = QUICK_SUITE if args.quick else SUITE
     started = time.perf_counter()
-    results = new_results(spec, args, suite)
+    results = new_results(spec, args, QUICK_SUITE if args.quick else SUITE)
     env = results["environment"]
     print(
         f"bench_{spec.name}: {env['gpu']}, torch {env['torch']}, cuDNN {env['cudnn']}, commit {env['commit']} "
@@ -468,36 +666,15 @@ def run(
     )
     path = result_path(results, args.out, spec.name)
     warm_up_device(selected, args.device)
-    warm_up_backward(selected, args.device)
+    if spec.grad_mode:
+        warm_up_backward(selected, args.device)
     if before is not None:
         results.update(before())
     results.update(rows=[], summaries=[])
-    for benchmark in settings:
-        for mode in selected:
-            for i, shape in enumerate(suite):
-                begin = time.perf_counter()
-                row = run_case(spec, measure, shape, mode, benchmark, args)
-                results["rows"].append(row)
-                print(
-                    f"[{mode.name} bench={_bench_name(benchmark)}] {i + 1}/{len(suite)} {shape.label}: "
-                    f"{row['status']}, {spec.headline} {_fmt(row[spec.headline])} "
-                    f"({time.perf_counter() - begin:.1f}s)",
-                    flush=True,
-                )
-                # Rewritten after every shape so that a run killed half-way still leaves its results.
-                write_json(results, args.out, spec.name, path)
-            print_mode_table(spec, results["rows"], mode.name, benchmark)
+    settings = run_suite(spec, args, measure, results, path)
     results["summaries"] = [summarize_rows(spec, results["rows"], m.name, b) for b in settings for m in selected]
     results["complete"] = True
     results["wall_seconds"] = time.perf_counter() - started
     write_json(results, args.out, spec.name, path)
-    num, den = spec.ratios[spec.headline]
-    print(f"\n== {spec.name} summary ({spec.headline} = {num} / {den}) ==")
-    for summary in results["summaries"]:
-        print_summary(spec, summary)
-    if args.plot:
-        png = plot(spec, results, path.with_suffix(".png"))
-        if png:
-            print(f"plot: {png}")
-    print(f"results: {path} ({results['wall_seconds']:.0f}s)")
+    report(spec, args, results, path)
     return 0
