@@ -82,7 +82,7 @@ std::string explain_cuda(
 } // namespace
 
 std::string plan_cache_stats() {
-  // Forward and weight-gradient plans live in two caches of the same capacity; report them together.
+  // Forward and weight-gradient plans live in two caches of the same capacity (each); reported together.
   cuda::CacheStats s = cuda::fprop_cache().stats();
   const cuda::CacheStats w = cuda::wgrad_cache().stats();
   s.hits += w.hits;
@@ -95,6 +95,8 @@ std::string plan_cache_stats() {
       .num("misses", s.misses)
       .num("evictions", s.evictions)
       .num("size", s.size)
+      .num("forward_plans", s.size - w.size)
+      .num("weight_grad_plans", w.size)
       .num("capacity", s.capacity)
       .num("build_seconds", s.build_seconds)
       .dump();
