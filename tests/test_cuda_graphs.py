@@ -222,12 +222,22 @@ def test_cache_size_knob_evicts() -> None:
     assert cache["capacity"] == 1 and cache["size"] == 1 and cache["evictions"] >= 1, cache
 
 
-def test_bad_knob_is_reported() -> None:
+@pytest.mark.parametrize(
+    "knob,value,message",
+    [
+        ("TORCH_CONVBIAS_PATH", "fastest", "TORCH_CONVBIAS_PATH must be auto, fused, unfused or aten"),
+        ("TORCH_CONVBIAS_CACHE_SIZE", "0", "TORCH_CONVBIAS_CACHE_SIZE must be a positive integer"),
+        ("TORCH_CONVBIAS_CACHE_SIZE", "many", "TORCH_CONVBIAS_CACHE_SIZE must be a positive integer, got 'many'"),
+        ("TORCH_CONVBIAS_AUTOTUNE", "max", "TORCH_CONVBIAS_AUTOTUNE must be auto, off or on"),
+        ("TORCH_CONVBIAS_PARAM_GRAD", "cuda", "TORCH_CONVBIAS_PARAM_GRAD must be aten or cudnn"),
+    ],
+)
+def test_bad_knob_is_reported(knob: str, value: str, message: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env={**os.environ, "TORCH_CONVBIAS_PATH": "fastest"}, cwd=ROOT,
+        [sys.executable, "-c", SCRIPT], env={**os.environ, knob: value}, cwd=ROOT,
         capture_output=True, text=True, timeout=300,
     )
-    assert result.returncode != 0 and "TORCH_CONVBIAS_PATH must be auto, fused, unfused or aten" in result.stderr
+    assert result.returncode != 0 and message in result.stderr and "ValueError" in result.stderr
 
 
 def test_doctor_runs() -> None:

@@ -25,15 +25,12 @@ at::Tensor forward_cuda(
     int64_t groups) {
   const ConvParams params = check_forward_args(input, weight, bias, stride, padding, dilation, groups);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  if (cuda::aten_only_reason(input, weight)) {
+  const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params);
+  if (route.aten_reason || route.plan->path == cuda::FpropPath::Aten) {
     return forward_reference(input, weight, bias, stride, padding, dilation, groups);
   }
-  const cuda::PreparedForward prepared = cuda::prepare_forward(input, weight, bias, params);
-  const auto plan = cuda::fprop_plan(prepared.problem, prepared.x, prepared.w, prepared.b, prepared.y);
-  if (plan->path == cuda::FpropPath::Aten) {
-    return forward_reference(input, weight, bias, stride, padding, dilation, groups);
-  }
-  cuda::run_fprop(*plan, prepared.problem, prepared.x, prepared.w, prepared.b, prepared.y);
+  const cuda::PreparedForward& prepared = *route.prepared;
+  cuda::run_fprop(*route.plan, prepared.problem, prepared.x, prepared.w, prepared.b, prepared.y);
   // The graph writes channels_last; F.conv2d gives NCHW for NCHW input and weight.
   return prepared.y.contiguous(output_memory_format(input, weight));
 }

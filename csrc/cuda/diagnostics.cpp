@@ -51,14 +51,12 @@ std::string explain_cuda(
           .boolean("deterministic", flags.deterministic)
           .boolean("benchmark", flags.benchmark)
           .dump());
-  if (auto reason = cuda::aten_only_reason(input, weight)) {
-    return out.str("path", "aten").strings("notes", {*reason}).dump();
+  const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params);
+  if (route.aten_reason) {
+    return out.str("path", "aten").strings("notes", {*route.aten_reason}).dump();
   }
-  const cuda::PreparedForward prepared = cuda::prepare_forward(input, weight, bias, params);
-  bool cached = false;
-  double build_seconds = 0;
-  const auto plan =
-      cuda::fprop_plan(prepared.problem, prepared.x, prepared.w, prepared.b, prepared.y, &cached, &build_seconds);
+  const cuda::PreparedForward& prepared = *route.prepared;
+  const auto& plan = route.plan;
   const auto& a = prepared.problem.alignments;
   out.str("path", cuda::path_name(plan->path))
       .str("problem", prepared.problem.describe())
@@ -66,8 +64,8 @@ std::string explain_cuda(
       .boolean("realigned", prepared.realigned)
       .str("output", output_memory_format(input, weight) == at::MemoryFormat::ChannelsLast ? "channels_last"
                                                                                            : "copied to NCHW")
-      .boolean("cached", cached)
-      .num("plan_build_seconds", build_seconds)
+      .boolean("cached", route.was_cached)
+      .num("plan_build_seconds", route.build_seconds)
       .boolean("tuned", plan->tuned)
       .num("fused_ms", plan->fused_ms)
       .num("unfused_ms", plan->unfused_ms)

@@ -45,4 +45,17 @@ PreparedForward prepare_forward(
   return p;
 }
 
+ForwardRoute route_forward(
+    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params) {
+  ForwardRoute route;
+  route.aten_reason = aten_only_reason(input, weight);
+  if (route.aten_reason) {
+    return route;
+  }
+  route.prepared = prepare_forward(input, weight, bias, params);
+  const PreparedForward& p = *route.prepared;
+  route.plan = fprop_plan(p.problem, p.x, p.w, p.b, p.y, &route.was_cached, &route.build_seconds);
+  return route;
+}
+
 } // namespace convbias::cuda

@@ -26,4 +26,17 @@ struct PreparedForward {
 PreparedForward prepare_forward(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params);
 
+// The path a forward call takes: ATen before any graph (aten_reason set), or the prepared tensors and their
+// cached plan (whose own path may still be ATen when no graph builds). The one decision forward and explain share.
+struct ForwardRoute {
+  std::optional<std::string> aten_reason;
+  std::optional<PreparedForward> prepared;
+  std::shared_ptr<const FpropPlan> plan;
+  bool was_cached = false;
+  double build_seconds = 0;
+};
+
+ForwardRoute route_forward(
+    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params);
+
 } // namespace convbias::cuda
