@@ -76,8 +76,20 @@ def pick_cxx_compiler() -> None:
     )
 
 
+def pick_cuda_arch_list() -> None:
+    """torch compiles CUDA kernels for the GPUs it sees; on a machine without one (CI, a build box) it finds none
+    and fails. Then build for Ampere and Hopper, with PTX that newer GPUs compile at load time."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"
+
+
 pick_cuda_home()
 pick_cxx_compiler()
+pick_cuda_arch_list()
 
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension  # noqa: E402
 

@@ -44,6 +44,24 @@ inline at::Tensor forward(
 }
 
 // (grad_weight, grad_bias) of forward for the given grad_output; output_mask says which to compute.
+inline std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_symint(
+    const at::Tensor& grad_output,
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding,
+    c10::SymIntArrayRef dilation,
+    c10::SymInt groups,
+    std::array<bool, 2> output_mask = {true, true}) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("convbias::param_grad", "")
+          .typed<std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef,
+              c10::SymIntArrayRef, c10::SymInt, std::array<bool, 2>)>();
+  return op.call(grad_output, input, weight, stride, padding, dilation, std::move(groups), output_mask);
+}
+
 inline std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad(
     const at::Tensor& grad_output,
     const at::Tensor& input,
@@ -53,13 +71,7 @@ inline std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_gr
     at::IntArrayRef dilation,
     int64_t groups,
     std::array<bool, 2> output_mask = {true, true}) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("convbias::param_grad", "")
-          .typed<std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>>(
-              const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef,
-              c10::SymIntArrayRef, c10::SymInt, std::array<bool, 2>)>();
-  return op.call(
+  return param_grad_symint(
       grad_output, input, weight, c10::fromIntArrayRefSlow(stride), c10::fromIntArrayRefSlow(padding),
       c10::fromIntArrayRefSlow(dilation), c10::SymInt(groups), output_mask);
 }

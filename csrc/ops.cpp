@@ -1,5 +1,5 @@
 // The one place where the convbias operators are declared. Kernels live in cpu/, cuda/ and autocast.cpp;
-// fake (meta) kernels and autograd are registered from Python (torch_convbias/ops.py).
+// autograd of forward in autograd.cpp; fake (meta) kernels and param_grad's autograd in Python (torch_convbias/ops.py).
 #include <torch/library.h>
 
 #include "diagnostics.h"
@@ -20,6 +20,8 @@ TORCH_LIBRARY(convbias, m) {
   m.def(
       "_explain(Tensor input, Tensor weight, Tensor? bias, int[2] stride, int[2] padding, int[2] dilation, "
       "int groups) -> str");
+  // The bias gradient one way by name ("kernel": ours; "aten": ATen's sum), for benchmarks and tests (CUDA only).
+  m.def("_bias_grad(Tensor grad_output, str way) -> Tensor");
   m.def("_plan_cache_stats() -> str", &convbias::plan_cache_stats);
   m.def("_plan_cache_clear() -> ()", &convbias::plan_cache_clear);
   // [cuDNN version compiled against, cuDNN version loaded at run time, cuDNN frontend version].

@@ -42,10 +42,87 @@ def test_seed_case_nchw_fp32_runs_fused_and_explains() -> None:
     finally:
         torch.backends.cudnn.allow_tf32 = True
     assert out.is_contiguous()
-    assert info["path"] == "fused", info
-    assert info["layout"] == "copied to channels_last" and info["output"] == "copied to NCHW"
-    assert info["engine"]["name"] and info["engine"]["workspace_bytes"] >= 0
+    assert info["output"] == "NCHW" and info["converted_input"] is False
+    # NCHW runs one of three ways, each measured once for this key and the fastest kept.
+    ways = {"nchw_graph", "channels_last_copies", "aten"}
+    timed = dict(info["layout_timings"])
+    assert set(timed) <= ways and "aten" in timed and all(ms > 0 for ms in timed.values()), info
+    fastest = min(timed, key=timed.__getitem__)
+    expected_layout = {"nchw_graph": "nchw graph", "channels_last_copies": "nchw via channels_last copies",
+                       "aten": "nchw (aten)"}[fastest]
+    assert info["layout"] == expected_layout, info
+    assert (info["path"] == "aten") == (fastest == "aten"), info
+    if info["path"] != "aten":
+        assert info["engine"]["name"] and info["engine"]["workspace_bytes"] >= 0
     assert info["math"]["allow_tf32"] is False
+
+
+NCHW_SCRIPT = """
+import json, sys, torch, torch.nn.functional as F, torch_convbias
+torch.backends.cudnn.allow_tf32 = False
+layouts = []
+cases = [(16, 16, 16, 16, 16, 3, 1, 1, 1), (4, 32, 13, 11, 64, 3, 2, 1, 1), (2, 64, 9, 9, 32, 1, 1, 0, 1),
+         (3, 32, 10, 10, 32, 3, 1, 1, 32), (2, 3, 15, 15, 8, 5, 1, 2, 1)]
+for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)):
+    for n, c, h, w_, k, r, stride, pad, groups in cases:
+        g = torch.Generator().manual_seed(n * c + k)
+        x = torch.randn(n, c, h, w_, generator=g).to('cuda', dtype)
+        w = (torch.randn(k, c // groups, r, r, generator=g) / (c * r * r / groups) ** 0.5).to('cuda', dtype)
+        b = torch.randn(k, generator=g).to('cuda', dtype)
+        for bias in (b, None):
+            out = torch_convbias.conv_bias2d(x, w, bias, stride=stride, padding=pad, groups=groups)
+            ref = F.conv2d(x.double(), w.double(), None if bias is None else bias.double(), stride=stride,
+                           padding=pad, groups=groups)
+            assert out.dtype == dtype and out.is_contiguous(), (out.dtype, out.stride())
+            scale = max(1.0, ref.abs().max().item())
+            torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * scale)
+            info = torch_convbias.explain(x, w, bias, stride=stride, padding=pad, groups=groups)
+            layouts.append([str(dtype), c, groups, info['layout'], info['path']])
+print(json.dumps(layouts))
+"""
+
+
+@pytest.mark.parametrize(
+    "way,layouts",
+    [
+        ("graph", {"nchw graph"}),
+        ("copy", {"nchw via channels_last copies"}),
+        ("aten", {"nchw (aten)"}),
+        ("auto", {"nchw graph", "nchw via channels_last copies", "nchw (aten)"}),
+    ],
+)
+def test_nchw_ways_match_conv2d(way: str, layouts: set[str]) -> None:
+    """Every way of running NCHW tensors (forced by TORCH_CONVBIAS_NCHW) matches F.conv2d, and NCHW comes back."""
+    result = subprocess.run(
+        [sys.executable, "-c", NCHW_SCRIPT], env={**os.environ, "TORCH_CONVBIAS_NCHW": way}, cwd=ROOT,
+        capture_output=True, text=True, timeout=300,
+    )
+    if way == "graph" and result.returncode != 0:
+        # Forcing the NCHW graph must fail loudly (not silently run ATen) where no NCHW graph builds.
+        assert "TORCH_CONVBIAS_NCHW=graph but no cuDNN graph over NCHW strides builds" in result.stderr, result.stderr
+        pytest.skip("a case in the grid has no NCHW graph: " + result.stderr.strip().splitlines()[-1][:300])
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {layout for *_, layout, _path in seen} <= layouts, seen
+
+
+def test_seed_case_fuses_over_nchw_strides() -> None:
+    """The seed's failure (fused conv+bias NOT_SUPPORTED on NCHW): the graph over NCHW strides now builds."""
+    script = (
+        "import json, torch, torch_convbias\n"
+        "torch.backends.cudnn.allow_tf32 = False\n"
+        "x = torch.randn(16, 16, 16, 16, device='cuda'); w = torch.randn(16, 16, 3, 3, device='cuda')\n"
+        "b = torch.randn(16, device='cuda')\n"
+        "print(json.dumps(torch_convbias.explain(x, w, b, padding=1)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], env={**os.environ, "TORCH_CONVBIAS_NCHW": "graph"}, cwd=ROOT,
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = json.loads(result.stdout.strip().splitlines()[-1])
+    assert info["layout"] == "nchw graph" and info["path"] == "fused", info
+    assert "(all NCHW)" in info["problem"], info
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -230,6 +307,7 @@ def test_cache_size_knob_evicts() -> None:
         ("TORCH_CONVBIAS_CACHE_SIZE", "many", "TORCH_CONVBIAS_CACHE_SIZE must be a positive integer, got 'many'"),
         ("TORCH_CONVBIAS_AUTOTUNE", "max", "TORCH_CONVBIAS_AUTOTUNE must be auto, off or on"),
         ("TORCH_CONVBIAS_PARAM_GRAD", "cuda", "TORCH_CONVBIAS_PARAM_GRAD must be aten or cudnn"),
+        ("TORCH_CONVBIAS_NCHW", "native", "TORCH_CONVBIAS_NCHW must be auto, graph, copy or aten, got 'native'"),
     ],
 )
 def test_bad_knob_is_reported(knob: str, value: str, message: str) -> None:
@@ -245,4 +323,5 @@ def test_doctor_runs() -> None:
         [sys.executable, "-m", "torch_convbias.doctor"], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "cudnn_loaded" in result.stdout and "seed case on cuda: path=fused" in result.stdout
+    assert "cudnn_loaded" in result.stdout and "seed case on cuda: path=" in result.stdout
+    assert "layout=nchw" in result.stdout, result.stdout

@@ -1,5 +1,6 @@
-"""The conv_wgrad graph path of convbias::param_grad (TORCH_CONVBIAS_PARAM_GRAD=cudnn), against F.conv2d's
-autograd. The knob is read once per process, so the comparisons run in a child process."""
+"""convbias::param_grad on the GPU against F.conv2d's autograd: the conv_wgrad graph (the default,
+TORCH_CONVBIAS_PARAM_GRAD=cudnn) and ATen (=aten), and the bias-gradient kernel against ATen and float64.
+Knobs are read once per process, so the knob comparisons run in a child process."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import HAS_CUDA
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -55,20 +57,64 @@ for _ in range(2):
     torch_convbias.conv_bias2d(x, w_, b, *case.conv_args()).square().sum().backward()
     grads.append(w_.grad)
 assert torch.equal(grads[0], grads[1])
-# Layout is normalised to channels_last before the key is made, so NCHW and channels_last twins share a plan.
-problems = len({(c.n, c.c, c.h, c.w, c.k, c.kernel, c.stride, c.padding, c.dilation, c.groups) for c in CASES})
+# channels_last problems get a weight-gradient plan (graph, or ATen where measured faster); NCHW runs ATen.
+problems = len({(c.n, c.c, c.h, c.w, c.k, c.kernel, c.stride, c.padding, c.dilation, c.groups)
+                for c in CASES if c.channels_last})
 print(json.dumps({"checked": checked, "problems": problems, "cache": torch_convbias.cache_info()}))
 """
 
 
-def test_wgrad_graph_matches_autograd() -> None:
+@pytest.mark.parametrize("way", ["cudnn", "aten"])
+def test_param_grad_matches_autograd(way: str) -> None:
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT],
-        env={**os.environ, "TORCH_CONVBIAS_PARAM_GRAD": "cudnn", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+        env={**os.environ, "TORCH_CONVBIAS_PARAM_GRAD": way, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["checked"] == 4 * 24
-    # A weight-gradient plan per (mode, problem) at least: the conv_wgrad path really ran.
-    assert report["cache"]["weight_grad_plans"] >= 4 * report["problems"], report
+    if way == "cudnn":
+        # A weight-gradient plan per (mode, channels_last problem): the conv_wgrad path really ran.
+        assert report["cache"]["weight_grad_plans"] >= 4 * report["problems"] > 0, report
+    else:
+        assert report["cache"]["weight_grad_plans"] == 0, report
+
+
+BIAS_SHAPES = [(2, 8, 5, 5), (64, 64, 32, 32), (3, 24, 7, 9), (1, 2048, 3, 3), (5, 40, 1, 1), (1024, 16, 4, 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", BIAS_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_bias_grad_kernel_matches_float64(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> None:
+    g = torch.Generator().manual_seed(sum(shape))
+    dy = torch.randn(shape, generator=g).to("cuda", dtype).contiguous(memory_format=torch.channels_last)
+    expected = dy.double().sum((0, 2, 3))
+    kernel = torch.ops.convbias._bias_grad(dy, "kernel")
+    aten = torch.ops.convbias._bias_grad(dy, "aten")
+    assert kernel.dtype == dtype and kernel.shape == (shape[1],)
+    # FP32 accumulation, one rounding at the end: as close to the exact sum as ATen's.
+    count = shape[0] * shape[2] * shape[3]
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6 * count**0.5}.get(dtype, 0.0)
+    scale = max(1.0, expected.abs().max().item())
+    torch.testing.assert_close(kernel.double(), expected, rtol=tol or {torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype], atol=(tol or 1e-2) * scale)
+    torch.testing.assert_close(kernel, aten, rtol=tol or 1e-2, atol=(tol or 1e-2) * scale)
+    # Deterministic: a fixed reduction order.
+    assert torch.equal(kernel, torch.ops.convbias._bias_grad(dy, "kernel"))
+
+
+def test_bias_grad_kernel_refuses_what_it_cannot_take() -> None:
+    nchw = torch.randn(2, 8, 4, 4, device="cuda")
+    with pytest.raises(ValueError, match="the kernel takes channels_last"):
+        torch.ops.convbias._bias_grad(nchw, "kernel")
+    odd = torch.randn(2, 6, 4, 4, device="cuda").contiguous(memory_format=torch.channels_last)  # K*4 bytes % 16 != 0
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        torch.ops.convbias._bias_grad(odd, "kernel")
+    with pytest.raises(ValueError, match="way must be 'kernel' or 'aten', got 'fast'"):
+        torch.ops.convbias._bias_grad(odd, "fast")
+    # param_grad still gives the right bias gradient for both (through ATen's sum).
+    for dy in (nchw, odd):
+        x = torch.randn(dy.shape[0], 3, 6, 6, device="cuda")
+        w = torch.randn(dy.shape[1], 3, 3, 3, device="cuda")
+        _, grad_bias = torch.ops.convbias.param_grad(dy, x, w, [1, 1], [0, 0], [1, 1], 1, [False, True])
+        torch.testing.assert_close(grad_bias, dy.sum((0, 2, 3)), rtol=1e-5, atol=1e-5)

@@ -43,8 +43,10 @@ def explain(
     Keys: ``path`` (``fused``: one conv+bias graph; ``conv``: the conv graph of a call without bias;
     ``conv+bias_add``: conv graph then a bias add; ``aten``: ATen's convolution), ``notes`` (why, and why
     alternatives were rejected) and, on CUDA, ``engine`` (name, workspace, build time, runtime-compiled or not,
-    timings of the candidates, rejections), ``layout``, ``output``, ``alignment``, ``math`` (the flags that
-    select engines), ``cached`` and ``plan_build_seconds``. Builds and caches the plan if needed, exactly as the
+    timings of the candidates, rejections), ``layout`` (``channels_last``, ``copied to channels_last``, or for
+    NCHW input and weight ``nchw graph`` / ``nchw via channels_last copies`` / ``nchw (aten)``), ``layout_timings``
+    (``[way, ms]`` of each way of running NCHW tensors that was measured), ``converted_input``, ``output``,
+    ``alignment``, ``math`` (the flags that select engines), ``cached`` and ``plan_build_seconds``. Builds and caches the plan if needed, exactly as the
     call would; on CUDA that may run the convolution a few times to time candidates.
     """
     stride, dilation = _pair("stride", stride), _pair("dilation", dilation)
@@ -79,8 +81,9 @@ def self_check(device: str = "cuda") -> tuple[bool, str]:
     try:
         out = torch.ops.convbias.forward(x, w, b, [1, 1], [1, 1], [1, 1], 1)
         error = (out - F.conv2d(x, w, b, padding=1)).abs().max().item()
-        path = explain(x, w, b, padding=1)["path"]
+        info = explain(x, w, b, padding=1)
     finally:
         torch.backends.cudnn.allow_tf32 = saved
     passed = error < 1e-4
-    return passed, f"seed case on {device}: path={path}, max |error| vs F.conv2d = {error:.2e}"
+    where = f"path={info['path']}" + (f", layout={info['layout']}" if "layout" in info else "")
+    return passed, f"seed case on {device}: {where}, max |error| vs F.conv2d = {error:.2e}"

@@ -25,7 +25,10 @@ class ConvBias2d(nn.Conv2d):
         if self.padding_mode != "zeros":
             padded = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             return conv_bias2d(padded, weight, bias, self.stride, 0, self.dilation, self.groups)
-        return conv_bias2d(input, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+        if isinstance(self.padding, str) or input.dim() != 4:
+            return conv_bias2d(input, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+        # The common case straight to the op: no Python argument normalisation per call.
+        return torch.ops.convbias.forward(input, weight, bias, self.stride, self.padding, self.dilation, self.groups)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self._conv_forward(input, self.weight, self.bias)

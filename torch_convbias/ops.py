@@ -4,8 +4,11 @@ The schemas and the CPU/CUDA/autocast kernels are registered in C++ (``csrc/``);
 loads them. This module adds what torch.compile and autograd need:
 
 * fake kernels (``torch.library.register_fake``) giving the output's shape, dtype, device and memory format;
-* the autograd formula of ``convbias::forward``: weight and bias gradients through ``convbias::param_grad``, the
-  input gradient only when the input needs one.
+* the autograd of ``convbias::param_grad``, which refuses double backward with a clear error;
+* ``setup_context``/``backward`` for :class:`torch_convbias.ConvBiasFunction`.
+
+The autograd of ``convbias::forward`` itself is registered in C++ (``csrc/autograd.cpp``, no Python per call):
+weight and bias gradients through ``convbias::param_grad``, the input gradient only when the input needs one.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def _param_grad_fake(
 
 
 def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    """Save what backward needs. Shared by the op's autograd and :class:`ConvBiasFunction`."""
+    """Save what :func:`backward` needs (used by :class:`ConvBiasFunction`)."""
     input, weight, _bias, stride, padding, dilation, groups = inputs
     ctx.save_for_backward(input, weight)
     ctx.conv_params = (list(stride), list(padding), list(dilation), groups)
@@ -76,8 +79,8 @@ def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> No
 def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     """Gradients of convbias::forward: (input, weight, bias) then None for the conv parameters.
 
-    The weight and bias gradients come from convbias::param_grad in one call; the input gradient is computed
-    only when the input requires grad (it never does in layer-by-layer training, where inputs are detached).
+    The same formula as the C++ autograd of the op: weight and bias gradients from convbias::param_grad in one
+    call; the input gradient only when the input requires grad.
     """
     input, weight = ctx.saved_tensors
     stride, padding, dilation, groups = ctx.conv_params
@@ -106,7 +109,6 @@ def _param_grad_backward(ctx: Any, *grads: Any) -> tuple[None, ...]:
     )
 
 
-torch.library.register_autograd("convbias::forward", backward, setup_context=setup_context)
 torch.library.register_autograd(
     "convbias::param_grad", _param_grad_backward, setup_context=_param_grad_setup_context
 )

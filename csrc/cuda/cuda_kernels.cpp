@@ -1,6 +1,6 @@
 // CUDA kernels of the convbias ops. forward runs the cuDNN graph chosen for the problem (fused conv+bias,
-// conv + bias add, or ATen where no graph builds). param_grad runs the ATen reference unless
-// TORCH_CONVBIAS_PARAM_GRAD=cudnn selects the conv_wgrad graph (not yet verified on a GPU, so not the default).
+// conv + bias add, or ATen where no graph builds). param_grad: the weight gradient on a conv_wgrad graph for
+// channels_last tensors (TORCH_CONVBIAS_PARAM_GRAD=aten forces ATen), the bias gradient by our kernel.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -8,6 +8,7 @@
 #include <climits>
 
 #include "conv_args.h"
+#include "cuda/bias_grad.h"
 #include "cuda/forward_setup.h"
 #include "cuda/wgrad.h"
 #include "reference.h"
@@ -30,9 +31,8 @@ at::Tensor forward_cuda(
     return forward_reference(input, weight, bias, stride, padding, dilation, groups);
   }
   const cuda::PreparedForward& prepared = *route.prepared;
-  cuda::run_fprop(*route.plan, prepared.problem, prepared.x, prepared.w, prepared.b, prepared.y);
-  // The graph writes channels_last; F.conv2d gives NCHW for NCHW input and weight.
-  return prepared.y.contiguous(output_memory_format(input, weight));
+  // In the layout F.conv2d returns: the problem's own (channels_last, or NCHW even via channels_last copies).
+  return cuda::run_fprop(*route.plan, prepared.problem, prepared.x, prepared.w, prepared.b);
 }
 
 std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_cuda(
@@ -46,21 +46,25 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_cuda
     std::array<bool, 2> output_mask) {
   const ConvParams params = check_param_grad_args(grad_output, input, weight, stride, padding, dilation, groups);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  const bool use_graphs = cuda::knobs().param_grad == "cudnn" && !cuda::aten_only_reason(input, weight);
-  if (!use_graphs || !output_mask[0]) {
-    return param_grad_reference(grad_output, input, weight, stride, padding, dilation, groups, output_mask);
+  std::optional<at::Tensor> grad_weight, grad_bias;
+  if (output_mask[0]) {
+    // The conv_wgrad graph takes channels_last dy and x. NCHW tensors go to ATen (nn.Conv2d's own path) rather
+    // than through full-size channels_last copies that nn.Conv2d's backward would not make.
+    constexpr auto cl = at::MemoryFormat::ChannelsLast;
+    const bool channels_last = output_memory_format(input, weight) == cl;
+    if (cuda::knobs().param_grad == "cudnn" && channels_last && !cuda::aten_only_reason(input, weight)) {
+      const at::Tensor dy = cuda::aligned_for_cudnn(grad_output.contiguous(cl), cl);
+      const at::Tensor x = cuda::aligned_for_cudnn(input.contiguous(cl), cl);
+      grad_weight = cuda::weight_grad(dy, x, weight, params);
+    }
+    if (!grad_weight) {
+      grad_weight = std::get<0>(
+          param_grad_reference(grad_output, input, weight, stride, padding, dilation, groups, {true, false}));
+    }
   }
-  constexpr auto cl = at::MemoryFormat::ChannelsLast;
-  const at::Tensor dy = cuda::aligned_for_cudnn(grad_output.contiguous(cl), cl);
-  const at::Tensor x = cuda::aligned_for_cudnn(input.contiguous(cl), cl);
-  std::optional<at::Tensor> grad_weight = cuda::weight_grad(dy, x, weight, params);
-  if (!grad_weight) {
-    return param_grad_reference(grad_output, input, weight, stride, padding, dilation, groups, output_mask);
-  }
-  std::optional<at::Tensor> grad_bias;
   if (output_mask[1]) {
     // Summed over N, H, W with FP32 accumulation, rounded once to the gradient's dtype.
-    grad_bias = at::sum(dy, {0, 2, 3}, /*keepdim=*/false, at::kFloat).to(grad_output.scalar_type());
+    grad_bias = cuda::bias_grad(grad_output);
   }
   return {grad_weight, grad_bias};
 }
@@ -70,6 +74,7 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_cuda
 TORCH_LIBRARY_IMPL(convbias, CUDA, m) {
   m.impl("forward", &forward_cuda);
   m.impl("param_grad", &param_grad_cuda);
+  m.impl("_bias_grad", &cuda::bias_grad_with);
 }
 
 } // namespace convbias

@@ -12,13 +12,30 @@
 namespace convbias {
 namespace {
 
-std::string engine_json(const cuda::EngineChoice& e) {
+// [[name, ms], ...]
+std::string timings_json(const std::vector<std::pair<std::string, float>>& named) {
   std::string timings = "[";
-  for (size_t i = 0; i < e.timings.size(); ++i) {
+  for (size_t i = 0; i < named.size(); ++i) {
     std::ostringstream ms;
-    ms << e.timings[i].second;
-    timings += (i ? ", [" : "[") + json_string(e.timings[i].first) + ", " + ms.str() + "]";
+    ms << named[i].second;
+    timings += (i ? ", [" : "[") + json_string(named[i].first) + ", " + ms.str() + "]";
   }
+  return timings + "]";
+}
+
+// How the tensors run: channels_last (as given or copied), NCHW through a graph over NCHW strides, NCHW through
+// channels_last copies, or NCHW through ATen.
+std::string layout_name(const cuda::PreparedForward& prepared, const cuda::FpropPlan& plan) {
+  if (prepared.problem.channels_last) {
+    return prepared.converted_input ? "copied to channels_last" : "channels_last";
+  }
+  if (plan.via_channels_last) {
+    return "nchw via channels_last copies";
+  }
+  return plan.path == cuda::FpropPath::Aten ? "nchw (aten)" : "nchw graph";
+}
+
+std::string engine_json(const cuda::EngineChoice& e) {
   return JsonObject()
       .str("name", e.engine)
       .num("workspace_bytes", e.workspace_bytes)
@@ -27,7 +44,7 @@ std::string engine_json(const cuda::EngineChoice& e) {
       .num("measured_ms", e.measured_ms)
       .num("heuristic_candidates", e.heuristic_candidates)
       .num("built", e.built)
-      .raw("timings", timings + "]")
+      .raw("timings", timings_json(e.timings))
       .strings("rejected", e.rejected)
       .dump();
 }
@@ -60,10 +77,11 @@ std::string explain_cuda(
   const auto& a = prepared.problem.alignments;
   out.str("path", cuda::path_name(plan->path))
       .str("problem", prepared.problem.describe())
-      .str("layout", prepared.converted_input ? "copied to channels_last" : "channels_last")
+      .str("layout", layout_name(prepared, *plan))
+      .boolean("converted_input", prepared.converted_input)
+      .raw("layout_timings", timings_json(plan->layout_timings))
       .boolean("realigned", prepared.realigned)
-      .str("output", output_memory_format(input, weight) == at::MemoryFormat::ChannelsLast ? "channels_last"
-                                                                                           : "copied to NCHW")
+      .str("output", output_memory_format(input, weight) == at::MemoryFormat::ChannelsLast ? "channels_last" : "NCHW")
       .boolean("cached", route.was_cached)
       .num("plan_build_seconds", route.build_seconds)
       .boolean("tuned", plan->tuned)

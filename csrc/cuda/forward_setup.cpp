@@ -26,22 +26,16 @@ std::optional<std::string> aten_only_reason(const at::Tensor& input, const at::T
 PreparedForward prepare_forward(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params) {
   PreparedForward p;
-  constexpr auto cl = at::MemoryFormat::ChannelsLast;
-  // The fusion engines take fully packed NHWC only; other layouts are copied once here.
-  p.converted_input = !input.is_contiguous(cl) || !weight.is_contiguous(cl);
-  p.x = input.contiguous(cl);
-  p.w = weight.contiguous(cl);
+  const at::MemoryFormat format = output_memory_format(input, weight);
+  // Graphs take fully packed tensors in one layout; others are copied once here.
+  p.converted_input = !input.is_contiguous(format) || !weight.is_contiguous(format);
+  p.x = aligned_for_cudnn(input.contiguous(format), format, &p.realigned);
+  p.w = aligned_for_cudnn(weight.contiguous(format), format, &p.realigned);
   if (bias.has_value() && bias->defined()) {
-    p.b = bias->contiguous();
+    p.b = aligned_for_cudnn(bias->contiguous(), at::MemoryFormat::Contiguous, &p.realigned);
   }
-  p.x = aligned_for_cudnn(p.x, cl, &p.realigned);
-  p.w = aligned_for_cudnn(p.w, cl, &p.realigned);
-  if (p.b) {
-    p.b = aligned_for_cudnn(*p.b, at::MemoryFormat::Contiguous, &p.realigned);
-  }
-  const auto size = output_size(input, weight, params);
-  p.y = at::empty(size, input.options().memory_format(cl));
-  p.problem = make_problem(p.x, p.w, p.b, p.y, params);
+  p.problem = make_problem(
+      p.x, p.w, p.b, output_size(input, weight, params), params, format == at::MemoryFormat::ChannelsLast);
   return p;
 }
 
@@ -54,7 +48,7 @@ ForwardRoute route_forward(
   }
   route.prepared = prepare_forward(input, weight, bias, params);
   const PreparedForward& p = *route.prepared;
-  route.plan = fprop_plan(p.problem, p.x, p.w, p.b, p.y, &route.was_cached, &route.build_seconds);
+  route.plan = fprop_plan(p.problem, p.x, p.w, p.b, &route.was_cached, &route.build_seconds);
   return route;
 }
 

@@ -14,11 +14,12 @@ namespace convbias::cuda {
 // Why a call goes straight to ATen without trying a cuDNN graph, or nullopt.
 std::optional<std::string> aten_only_reason(const at::Tensor& input, const at::Tensor& weight);
 
+// The caller's tensors made fully packed in one layout: channels_last when F.conv2d would return channels_last
+// (input or weight channels_last), else NCHW (the plan then decides, by measurement, how NCHW runs).
 struct PreparedForward {
-  at::Tensor x, w; // channels_last (copies when the caller's were not)
+  at::Tensor x, w; // fully packed in the problem's layout (copies when the caller's were not)
   std::optional<at::Tensor> b; // contiguous, or nullopt
-  at::Tensor y; // the channels_last output, allocated
-  bool converted_input = false; // x or w had to be copied to channels_last
+  bool converted_input = false; // x or w had to be copied
   bool realigned = false; // x, w or bias was copied to a 16-byte aligned buffer
   FpropProblem problem;
 };

@@ -4,6 +4,8 @@
 
 #include <sstream>
 
+#include "reference.h"
+
 namespace convbias::cuda {
 namespace {
 
@@ -14,12 +16,12 @@ constexpr int64_t kX = 1, kW = 2, kB = 3, kY = 4;
 std::shared_ptr<fe::graph::Graph> make_graph(
     const FpropProblem& p, bool with_bias, cudnnHandle_t handle, std::string* why) {
   auto graph = new_graph(p.dtype);
-  auto x = nhwc_tensor(*graph, "x", kX, p.x_dims, p.alignments[0]);
-  auto w = nhwc_tensor(*graph, "w", kW, p.w_dims, p.alignments[1]);
+  auto x = packed_tensor(*graph, "x", kX, p.x_dims, p.channels_last, p.alignments[0]);
+  auto w = packed_tensor(*graph, "w", kW, p.w_dims, p.channels_last, p.alignments[1]);
   auto conv = graph->conv_fprop(x, w, with_conv_params(fe::graph::Conv_fprop_attributes().set_name("conv"), p.params));
   std::shared_ptr<fe::graph::Tensor_attributes> y = conv;
   if (with_bias) {
-    conv->set_data_type(fe::DataType_t::FLOAT).set_dim(as_vector(p.y_dims)).set_stride(channels_last_strides(p.y_dims));
+    conv->set_data_type(fe::DataType_t::FLOAT).set_dim(as_vector(p.y_dims)).set_stride(packed_strides(p.y_dims, p.channels_last));
     const int64_t k = p.w_dims[0];
     auto b = graph->tensor(fe::graph::Tensor_attributes()
                                .set_name("bias")
@@ -38,7 +40,7 @@ std::shared_ptr<fe::graph::Graph> make_graph(
       .set_uid(kY)
       .set_data_type(to_frontend_dtype(p.dtype))
       .set_dim(as_vector(p.y_dims))
-      .set_stride(channels_last_strides(p.y_dims))
+      .set_stride(packed_strides(p.y_dims, p.channels_last))
       .set_alignment(p.alignments[3]);
   return finalize_graph(*graph, handle, why) ? graph : nullptr;
 }
@@ -75,7 +77,8 @@ GraphAttempt attempt(
 std::string layout_hint(const FpropProblem& p) {
   const int64_t element = c10::elementSize(p.dtype);
   std::ostringstream hint;
-  hint << "inputs run as channels_last (NHWC)";
+  hint << (p.channels_last ? "inputs run as channels_last (NHWC)"
+                           : "NCHW tensors leave only precompiled engines; channels_last (NHWC) inputs have the most");
   if (p.x_dims[1] * element % 16 != 0 || p.w_dims[0] * element % 16 != 0) {
     hint << "; channel counts whose rows are not 16-byte multiples (C=" << p.x_dims[1] << ", K=" << p.w_dims[0]
          << ", " << element << "-byte " << p.dtype << ") leave few engines";
@@ -87,13 +90,27 @@ std::string layout_hint(const FpropProblem& p) {
   return hint.str();
 }
 
-std::shared_ptr<const FpropPlan> build_plan(
-    const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
-    const at::Tensor& y) {
+at::Tensor new_output(const FpropProblem& p, const at::Tensor& like) {
+  return at::empty(
+      as_vector(p.y_dims),
+      like.options().memory_format(p.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous));
+}
+
+// The graph path for the problem in its own layout: fused graph, conv graph + bias add, or ATen when no graph
+// builds. Throws when a path forced by TORCH_CONVBIAS_PATH does not build (channels_last problems only: an
+// NCHW problem still has the channels_last copies to fall back on).
+std::shared_ptr<FpropPlan> build_graph_path(
+    const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   auto plan = std::make_shared<FpropPlan>();
   const auto& k = knobs();
-  const SelectionPolicy policy = default_policy(p.dtype, p.flags);
+  SelectionPolicy policy = default_policy(p.dtype, p.flags);
+  if (!p.channels_last) {
+    // Runtime-compiled engines build for NHWC only (measured on the H200) and cost seconds to try.
+    policy.allow_runtime_compiled = false;
+  }
   plan->tuned = policy.time_candidates && policy.max_candidates > 1;
+  const at::Tensor y = new_output(p, x);
+  const bool forced_must_build = p.channels_last;
 
   std::optional<GraphAttempt> fused;
   if (p.has_bias && k.path != "unfused") {
@@ -101,8 +118,9 @@ std::shared_ptr<const FpropPlan> build_plan(
     if (!fused->failure.empty()) {
       plan->notes.push_back("fused conv+bias graph rejected: " + fused->failure);
       TORCH_CHECK(
-          k.path != "fused", "convbias: TORCH_CONVBIAS_PATH=fused but cuDNN rejected the fused conv+bias graph for ",
-          p.describe(), ": ", fused->failure, ". Hint: ", layout_hint(p));
+          k.path != "fused" || !forced_must_build,
+          "convbias: TORCH_CONVBIAS_PATH=fused but cuDNN rejected the fused conv+bias graph for ", p.describe(), ": ",
+          fused->failure, ". Hint: ", layout_hint(p));
     }
   }
   const bool fused_ok = fused && fused->failure.empty();
@@ -148,12 +166,110 @@ std::shared_ptr<const FpropPlan> build_plan(
     take(*unfused, p.has_bias ? FpropPath::ConvThenBiasAdd : FpropPath::Conv);
   } else {
     TORCH_CHECK(
-        k.path == "auto", "convbias: TORCH_CONVBIAS_PATH=", k.path, " but cuDNN rejected the graph for ",
-        p.describe(), ": ", plan->notes.empty() ? "" : plan->notes.back(), ". Hint: ", layout_hint(p));
+        k.path == "auto" || !forced_must_build, "convbias: TORCH_CONVBIAS_PATH=", k.path,
+        " but cuDNN rejected the graph for ", p.describe(), ": ", plan->notes.empty() ? "" : plan->notes.back(),
+        ". Hint: ", layout_hint(p));
     plan->path = FpropPath::Aten;
     plan->notes.push_back("no cuDNN graph builds for this problem; running ATen's convolution. Hint: " + layout_hint(p));
   }
   return plan;
+}
+
+at::Tensor run_aten(
+    const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  const ConvParams& c = p.params;
+  return forward_reference(x, w, b, c.stride, c.padding, c.dilation, c.groups);
+}
+
+// An NCHW problem (NCHW input and weight, so F.conv2d returns NCHW) runs one of three ways: a graph over the
+// NCHW strides (precompiled engines only), the channels_last plan on copies (two copies in, one out), or
+// ATen's convolution. Which is fastest depends on the shape (the copies cost 0.37-0.97x of nn.Conv2d on the
+// H200 suite), so each way that builds is timed once per key; without timing (CUDA graph capture,
+// TORCH_CONVBIAS_AUTOTUNE=off) the NCHW graph is taken if it builds, else the copies, else ATen.
+// TORCH_CONVBIAS_NCHW forces one way.
+std::shared_ptr<const FpropPlan> build_nchw_plan(
+    const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  const auto& k = knobs();
+  constexpr auto cl = at::MemoryFormat::ChannelsLast;
+  auto aten_plan = [](std::vector<std::string> notes, const std::string& why) {
+    auto plan = std::make_shared<FpropPlan>();
+    plan->path = FpropPath::Aten;
+    plan->notes = std::move(notes);
+    plan->notes.push_back(why);
+    return plan;
+  };
+  if (k.nchw == "aten") {
+    return aten_plan({}, "TORCH_CONVBIAS_NCHW=aten");
+  }
+  std::shared_ptr<FpropPlan> native;
+  if (k.nchw == "auto" || k.nchw == "graph") {
+    native = build_graph_path(p, x, w, b);
+    TORCH_CHECK(
+        k.nchw != "graph" || native->path != FpropPath::Aten,
+        "convbias: TORCH_CONVBIAS_NCHW=graph but no cuDNN graph over NCHW strides builds for ", p.describe(), ": ",
+        native->notes.empty() ? "" : native->notes.back());
+    if (k.nchw == "graph") {
+      return native;
+    }
+  }
+  std::shared_ptr<const FpropPlan> via_cl;
+  const FpropProblem cl_problem = p.as_channels_last();
+  const at::Tensor x_cl = x.contiguous(cl);
+  const at::Tensor w_cl = w.contiguous(cl);
+  if (k.nchw == "auto" || k.nchw == "copy") {
+    via_cl = fprop_plan(cl_problem, x_cl, w_cl, b);
+  }
+  auto via_cl_plan = [&] {
+    auto plan = std::make_shared<FpropPlan>(*via_cl);
+    plan->via_channels_last = via_cl;
+    plan->notes.push_back("NCHW tensors copied to channels_last and the output copied back");
+    return plan;
+  };
+  if (k.nchw == "copy") {
+    return via_cl_plan();
+  }
+  // Here TORCH_CONVBIAS_NCHW=auto: both graph ways were tried.
+  const bool native_ok = native->path != FpropPath::Aten;
+  const bool via_cl_ok = via_cl->path != FpropPath::Aten;
+  if (!native_ok && !via_cl_ok) {
+    return aten_plan(native->notes, "no cuDNN graph builds for this problem, in NCHW or channels_last");
+  }
+  if (stream_is_capturing() || k.autotune == "off") {
+    return native_ok ? native : via_cl_plan();
+  }
+
+  std::vector<std::pair<std::string, float>> timings;
+  if (native_ok) {
+    timings.emplace_back("nchw_graph", time_on_stream([&] { (void)run_fprop(*native, p, x, w, b); }));
+  }
+  if (via_cl_ok) {
+    timings.emplace_back("channels_last_copies", time_on_stream([&] {
+                           (void)run_fprop(*via_cl, cl_problem, x.contiguous(cl), w.contiguous(cl), b).contiguous();
+                         }));
+  }
+  if (k.path == "auto") {
+    timings.emplace_back("aten", time_on_stream([&] { (void)run_aten(p, x, w, b); }));
+  }
+  const auto best = std::min_element(
+      timings.begin(), timings.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
+  std::shared_ptr<FpropPlan> plan;
+  if (best->first == "nchw_graph") {
+    plan = native;
+  } else if (best->first == "channels_last_copies") {
+    plan = via_cl_plan();
+  } else {
+    plan = aten_plan(native->notes, "ATen's convolution measured fastest for these NCHW tensors");
+  }
+  plan->layout_timings = std::move(timings);
+  return plan;
+}
+
+std::shared_ptr<const FpropPlan> build_plan(
+    const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  if (p.channels_last) {
+    return build_graph_path(p, x, w, b);
+  }
+  return build_nchw_plan(p, x, w, b);
 }
 
 } // namespace
@@ -175,6 +291,7 @@ PlanKey FpropProblem::key() const {
   f.push_back(1); // graph kind: forward
   f.push_back(static_cast<int64_t>(dtype));
   f.push_back(device);
+  f.push_back(channels_last);
   for (const auto* dims : {&x_dims, &w_dims, &y_dims}) {
     f.insert(f.end(), dims->begin(), dims->end());
   }
@@ -194,11 +311,18 @@ PlanKey FpropProblem::key() const {
 std::string FpropProblem::describe() const {
   std::ostringstream s;
   s << "input " << at::IntArrayRef(x_dims) << ", weight " << at::IntArrayRef(w_dims) << ", output "
-    << at::IntArrayRef(y_dims) << " (all channels_last), " << dtype << (has_bias ? ", with bias" : ", no bias")
-    << ", stride " << at::IntArrayRef(params.stride) << ", padding " << at::IntArrayRef(params.padding)
-    << ", dilation " << at::IntArrayRef(params.dilation) << ", groups " << params.groups << ", alignment "
-    << at::IntArrayRef(alignments) << " bytes";
+    << at::IntArrayRef(y_dims) << (channels_last ? " (all channels_last), " : " (all NCHW), ") << dtype
+    << (has_bias ? ", with bias" : ", no bias") << ", stride " << at::IntArrayRef(params.stride) << ", padding "
+    << at::IntArrayRef(params.padding) << ", dilation " << at::IntArrayRef(params.dilation) << ", groups "
+    << params.groups << ", alignment " << at::IntArrayRef(alignments) << " bytes";
   return s.str();
+}
+
+FpropProblem FpropProblem::as_channels_last() const {
+  FpropProblem p = *this;
+  p.channels_last = true;
+  p.alignments = {16, 16, alignments[2], 16};
+  return p;
 }
 
 PlanCache<FpropPlan>& fprop_cache() {
@@ -207,46 +331,58 @@ PlanCache<FpropPlan>& fprop_cache() {
 }
 
 FpropProblem make_problem(
-    const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, const at::Tensor& y,
-    const ConvParams& params) {
+    const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, at::IntArrayRef y_dims,
+    const ConvParams& params, bool channels_last) {
   FpropProblem p;
   p.dtype = x.scalar_type();
   p.device = x.device().index();
+  p.channels_last = channels_last;
   for (int i = 0; i < 4; ++i) {
     p.x_dims[i] = x.size(i);
     p.w_dims[i] = w.size(i);
-    p.y_dims[i] = y.size(i);
+    p.y_dims[i] = y_dims[i];
   }
   p.params = params;
   p.has_bias = b.has_value() && b->defined();
-  p.alignments = {pointer_alignment(x), pointer_alignment(w), p.has_bias ? pointer_alignment(*b) : 16,
-                  pointer_alignment(y)};
+  // The caching allocator hands out (at least) 512-byte aligned blocks, and y is always freshly allocated.
+  p.alignments = {pointer_alignment(x), pointer_alignment(w), p.has_bias ? pointer_alignment(*b) : 16, 16};
   p.flags = current_math_flags();
   return p;
 }
 
 std::shared_ptr<const FpropPlan> fprop_plan(
     const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
-    const at::Tensor& y, bool* was_cached, double* build_seconds) {
+    bool* was_cached, double* build_seconds) {
   auto& cache = fprop_cache();
   const PlanKey key = problem.key();
   if (was_cached != nullptr) {
     *was_cached = cache.peek(key) != nullptr;
   }
-  return cache.get_or_build(key, [&] { return build_plan(problem, x, w, b, y); }, build_seconds);
+  return cache.get_or_build(key, [&] { return build_plan(problem, x, w, b); }, build_seconds);
 }
 
-void run_fprop(
+at::Tensor run_fprop(
     const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
-    const std::optional<at::Tensor>& b, const at::Tensor& y) {
+    const std::optional<at::Tensor>& b) {
+  if (plan.via_channels_last) {
+    constexpr auto cl = at::MemoryFormat::ChannelsLast;
+    return run_fprop(*plan.via_channels_last, problem.as_channels_last(), x.contiguous(cl), w.contiguous(cl), b)
+        .contiguous();
+  }
   TORCH_INTERNAL_ASSERT(plan.path != FpropPath::Aten && plan.graph);
   const bool fused_bias = plan.path == FpropPath::Fused;
+  at::Tensor y = new_output(problem, x);
   auto pack = variant_pack(x, w, b, y, fused_bias);
-  at::Tensor workspace = at::empty({plan.engine.workspace_bytes}, x.options().dtype(at::kByte));
-  execute(*plan.graph, plan.engine.plan_index, workspace.data_ptr(), pack, problem, fused_bias);
+  const int64_t workspace_bytes = plan.engine.workspace_bytes;
+  at::Tensor workspace;
+  if (workspace_bytes > 0) {
+    workspace = at::empty({workspace_bytes}, x.options().dtype(at::kByte));
+  }
+  execute(*plan.graph, plan.engine.plan_index, workspace_bytes > 0 ? workspace.data_ptr() : nullptr, pack, problem, fused_bias);
   if (plan.path == FpropPath::ConvThenBiasAdd) {
     y.add_(b->view({1, -1, 1, 1}));
   }
+  return y;
 }
 
 } // namespace convbias::cuda

@@ -20,18 +20,21 @@ namespace convbias::cuda {
 enum class FpropPath { Fused, Conv, ConvThenBiasAdd, Aten };
 const char* path_name(FpropPath path);
 
-// Everything that decides the plan. Tensors are channels_last (fully packed NHWC) by the time they get here.
+// Everything that decides the plan. x, w and y are fully packed by the time they get here: all channels_last
+// (NHWC), or all NCHW when that is the layout F.conv2d would return (NCHW input and weight).
 struct FpropProblem {
   at::ScalarType dtype;
   c10::DeviceIndex device;
+  bool channels_last = true;
   std::array<int64_t, 4> x_dims, w_dims, y_dims;
   ConvParams params;
   bool has_bias;
-  std::array<int64_t, 4> alignments; // x, w, bias, y in bytes
+  std::array<int64_t, 4> alignments; // x, w, bias, y in bytes (y is always ours: allocated 16-byte aligned)
   MathFlags flags;
 
   PlanKey key() const;
-  std::string describe() const; // shapes, dtype and parameters, for messages
+  std::string describe() const; // shapes, layout, dtype and parameters, for messages
+  FpropProblem as_channels_last() const; // the same problem on channels_last copies (fresh, 16-byte aligned)
 };
 
 struct FpropPlan {
@@ -42,23 +45,30 @@ struct FpropPlan {
   float fused_ms = -1; // measured, when both paths were timed
   float unfused_ms = -1;
   std::vector<std::string> notes; // why this path: what was rejected and why
+
+  // NCHW problems: the three ways to run them (a graph over NCHW strides, the channels_last plan on copies,
+  // ATen) are measured once and the fastest kept. When the copies won, `via_channels_last` is the plan they run
+  // (and `path`/`engine` above are copied from it); `layout_timings` holds (way, ms) of each way measured.
+  std::shared_ptr<const FpropPlan> via_channels_last;
+  std::vector<std::pair<std::string, float>> layout_timings;
 };
 
 PlanCache<FpropPlan>& fprop_cache();
 
-// The problem for channels_last tensors x, w, (b), y on the current device.
+// The problem for fully packed x, w, (b) (all channels_last or all NCHW) and an output of `y_dims`.
 FpropProblem make_problem(
-    const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, const at::Tensor& y,
-    const ConvParams& params);
+    const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, at::IntArrayRef y_dims,
+    const ConvParams& params, bool channels_last);
 
-// The cached plan for `problem`, built (and timed on these tensors, which it may overwrite y of) on a miss.
+// The cached plan for `problem`, built on a miss (and timed on these tensors and a scratch output).
 std::shared_ptr<const FpropPlan> fprop_plan(
     const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
-    const at::Tensor& y, bool* was_cached = nullptr, double* build_seconds = nullptr);
+    bool* was_cached = nullptr, double* build_seconds = nullptr);
 
-// y = conv(x, w) + b by `plan` on the current stream (the ATen path is the caller's).
-void run_fprop(
+// conv(x, w) + b by `plan` on the current stream, in the problem's layout, into a new tensor. Not for the ATen
+// path, which the caller runs on the original arguments.
+at::Tensor run_fprop(
     const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
-    const std::optional<at::Tensor>& b, const at::Tensor& y);
+    const std::optional<at::Tensor>& b);
 
 } // namespace convbias::cuda

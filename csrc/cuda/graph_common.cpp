@@ -51,43 +51,6 @@ std::string last_cudnn_error() {
   return message;
 }
 
-namespace {
-
-std::string env_or(const char* name, const char* fallback) {
-  const char* value = std::getenv(name);
-  return value != nullptr && *value != '\0' ? std::string(value) : std::string(fallback);
-}
-
-} // namespace
-
-const Knobs& knobs() {
-  static const Knobs k = [] {
-    Knobs result;
-    const std::string size = env_or("TORCH_CONVBIAS_CACHE_SIZE", "1000");
-    try {
-      result.cache_size = std::stoll(size);
-    } catch (const std::exception&) {
-      TORCH_CHECK_VALUE(false, "TORCH_CONVBIAS_CACHE_SIZE must be a positive integer, got '", size, "'");
-    }
-    TORCH_CHECK_VALUE(result.cache_size > 0, "TORCH_CONVBIAS_CACHE_SIZE must be a positive integer, got ", size);
-    result.allow_runtime_compiled = env_or("TORCH_CONVBIAS_NO_RUNTIME_COMPILATION", "0") != "1";
-    result.path = env_or("TORCH_CONVBIAS_PATH", "auto");
-    TORCH_CHECK_VALUE(
-        result.path == "auto" || result.path == "fused" || result.path == "unfused" || result.path == "aten",
-        "TORCH_CONVBIAS_PATH must be auto, fused, unfused or aten, got '", result.path, "'");
-    result.autotune = env_or("TORCH_CONVBIAS_AUTOTUNE", "auto");
-    TORCH_CHECK_VALUE(
-        result.autotune == "auto" || result.autotune == "off" || result.autotune == "on",
-        "TORCH_CONVBIAS_AUTOTUNE must be auto, off or on, got '", result.autotune, "'");
-    result.param_grad = env_or("TORCH_CONVBIAS_PARAM_GRAD", "aten");
-    TORCH_CHECK_VALUE(
-        result.param_grad == "aten" || result.param_grad == "cudnn",
-        "TORCH_CONVBIAS_PARAM_GRAD must be aten or cudnn, got '", result.param_grad, "'");
-    return result;
-  }();
-  return k;
-}
-
 MathFlags current_math_flags() {
   auto& ctx = at::globalContext();
   return MathFlags{ctx.allowTF32CuDNN(), ctx.deterministicAlgorithms(), ctx.benchmarkCuDNN()};
@@ -286,6 +249,13 @@ std::vector<int64_t> channels_last_strides(const std::array<int64_t, 4>& d) {
   return {d[1] * d[2] * d[3], 1, d[3] * d[1], d[1]};
 }
 
+std::vector<int64_t> packed_strides(const std::array<int64_t, 4>& d, bool channels_last) {
+  if (channels_last) {
+    return channels_last_strides(d);
+  }
+  return {d[1] * d[2] * d[3], d[2] * d[3], d[3], 1};
+}
+
 std::vector<int64_t> as_vector(const std::array<int64_t, 4>& dims) {
   return {dims.begin(), dims.end()};
 }
@@ -298,13 +268,18 @@ std::shared_ptr<fe::graph::Graph> new_graph(at::ScalarType io_dtype) {
   return graph;
 }
 
-std::shared_ptr<fe::graph::Tensor_attributes> nhwc_tensor(
-    fe::graph::Graph& graph, const char* name, int64_t uid, const std::array<int64_t, 4>& dims, int64_t alignment) {
+std::shared_ptr<fe::graph::Tensor_attributes> packed_tensor(
+    fe::graph::Graph& graph,
+    const char* name,
+    int64_t uid,
+    const std::array<int64_t, 4>& dims,
+    bool channels_last,
+    int64_t alignment) {
   return graph.tensor(fe::graph::Tensor_attributes()
                           .set_name(name)
                           .set_uid(uid)
                           .set_dim(as_vector(dims))
-                          .set_stride(channels_last_strides(dims))
+                          .set_stride(packed_strides(dims, channels_last))
                           .set_alignment(alignment));
 }
 

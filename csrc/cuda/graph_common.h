@@ -7,6 +7,7 @@
 #include <cudnn_frontend.h>
 
 #include "conv_args.h"
+#include "cuda/knobs.h"
 
 #include <array>
 #include <functional>
@@ -33,15 +34,6 @@ at::Tensor aligned_for_cudnn(const at::Tensor& t, at::MemoryFormat format, bool*
 // cuDNN's own description of its last error (cudnnGetLastErrorString), or "" when it has none.
 std::string last_cudnn_error();
 
-// Environment knobs, read once.
-struct Knobs {
-  int64_t cache_size; // TORCH_CONVBIAS_CACHE_SIZE (plans kept, LRU), default 1000
-  bool allow_runtime_compiled; // TORCH_CONVBIAS_NO_RUNTIME_COMPILATION=1 excludes NVRTC engines
-  std::string path; // TORCH_CONVBIAS_PATH: auto | fused | unfused | aten
-  std::string autotune; // TORCH_CONVBIAS_AUTOTUNE: auto | off | on
-  std::string param_grad; // TORCH_CONVBIAS_PARAM_GRAD: aten (default until verified on a GPU) | cudnn
-};
-const Knobs& knobs();
 
 // The numerical promises a call makes, from torch's flags at call time.
 struct MathFlags {
@@ -90,8 +82,9 @@ float time_on_stream(const std::function<void()>& fn);
 // Whether the current stream is capturing a CUDA graph (no synchronisation, no timing allowed then).
 bool stream_is_capturing();
 
-// Fully packed NHWC strides of NCHW-ordered dims: the layout the fusion engines take (and dims as a vector).
+// Fully packed strides of NCHW-ordered dims: NHWC (channels_last, the layout the fusion engines take) or NCHW.
 std::vector<int64_t> channels_last_strides(const std::array<int64_t, 4>& dims);
+std::vector<int64_t> packed_strides(const std::array<int64_t, 4>& dims, bool channels_last);
 std::vector<int64_t> as_vector(const std::array<int64_t, 4>& dims);
 
 // An empty graph with `io_dtype` inputs/outputs, FLOAT intermediates and FLOAT compute.
@@ -108,9 +101,14 @@ ConvAttributes with_conv_params(ConvAttributes attributes, const ConvParams& c) 
   return attributes;
 }
 
-// A graph tensor of NCHW-ordered `dims` laid out channels_last (fully packed NHWC).
-std::shared_ptr<fe::graph::Tensor_attributes> nhwc_tensor(
-    fe::graph::Graph& graph, const char* name, int64_t uid, const std::array<int64_t, 4>& dims, int64_t alignment);
+// A graph tensor of NCHW-ordered `dims`, fully packed channels_last (NHWC) or NCHW.
+std::shared_ptr<fe::graph::Tensor_attributes> packed_tensor(
+    fe::graph::Graph& graph,
+    const char* name,
+    int64_t uid,
+    const std::array<int64_t, 4>& dims,
+    bool channels_last,
+    int64_t alignment);
 
 // validate() and build_operation_graph(); false with the reason (cuDNN's too) when cuDNN refuses the graph.
 bool finalize_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string* why);

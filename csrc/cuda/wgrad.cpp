@@ -12,8 +12,8 @@ constexpr int64_t kX = 1, kDY = 2, kDW = 3;
 // dw = conv_wgrad(dy, x): FLOAT accumulation, written once in the I/O dtype, KRSC (channels_last) layout.
 std::shared_ptr<fe::graph::Graph> make_graph(const WgradProblem& p, cudnnHandle_t handle, std::string* why) {
   auto graph = new_graph(p.dtype);
-  auto x = nhwc_tensor(*graph, "x", kX, p.x_dims, p.alignments[0]);
-  auto dy = nhwc_tensor(*graph, "dy", kDY, p.dy_dims, p.alignments[1]);
+  auto x = packed_tensor(*graph, "x", kX, p.x_dims, /*channels_last=*/true, p.alignments[0]);
+  auto dy = packed_tensor(*graph, "dy", kDY, p.dy_dims, /*channels_last=*/true, p.alignments[1]);
   auto dw = graph->conv_wgrad(dy, x, with_conv_params(fe::graph::Conv_wgrad_attributes().set_name("wgrad"), p.params));
   dw->set_output(true)
       .set_uid(kDW)
@@ -42,6 +42,27 @@ std::shared_ptr<const WgradPlan> build_plan(
   }
   plan->graph = attempt.graph;
   plan->engine = attempt.engine;
+  if (policy.time_candidates) {
+    // ATen's weight gradient (nn.Conv2d's, on cuDNN's legacy API) is sometimes the faster one: measure both once
+    // per key and keep the faster, so that this path is never slower than nn.Conv2d's backward.
+    at::Tensor workspace = at::empty({plan->engine.workspace_bytes}, x.options().dtype(at::kByte));
+    VariantPack pack = variant_pack(x, dy, dw);
+    plan->graph_ms = time_on_stream([&] {
+      execute_graph(*plan->graph, plan->engine.plan_index, workspace.data_ptr(), pack, [&] {
+        return "conv_wgrad graph for " + p.describe();
+      });
+    });
+    const ConvParams& c = p.params;
+    plan->aten_ms = time_on_stream([&] {
+      (void)at::convolution_backward(
+          dy, x, dw, std::nullopt, c.stride, c.padding, c.dilation, /*transposed=*/false, {0, 0}, c.groups,
+          {false, true, false});
+    });
+    if (plan->aten_ms < plan->graph_ms) {
+      plan->graph.reset();
+      plan->notes.push_back("ATen's weight gradient measured faster than the conv_wgrad graph");
+    }
+  }
   return plan;
 }
 
@@ -85,6 +106,9 @@ PlanCache<WgradPlan>& wgrad_cache() {
 
 std::optional<at::Tensor> weight_grad(
     const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight, const ConvParams& params) {
+  TORCH_INTERNAL_ASSERT(
+      dy.is_contiguous(at::MemoryFormat::ChannelsLast) && x.is_contiguous(at::MemoryFormat::ChannelsLast) &&
+      pointer_alignment(dy) >= 16 && pointer_alignment(x) >= 16);
   constexpr auto cl = at::MemoryFormat::ChannelsLast;
   at::Tensor dw = at::empty(weight.sizes(), weight.options().memory_format(cl));
   WgradProblem p;

@@ -31,13 +31,15 @@ struct WgradPlan {
   std::shared_ptr<fe::graph::Graph> graph; // null: no graph builds, the caller runs ATen
   EngineChoice engine;
   bool tuned = false;
+  float graph_ms = -1; // measured, when timing was allowed: the chosen graph plan ...
+  float aten_ms = -1; // ... and ATen's weight gradient; the faster one is kept
   std::vector<std::string> notes;
 };
 
 PlanCache<WgradPlan>& wgrad_cache();
 
 // grad_weight of the convolution for channels_last `dy` and `x` (16-byte aligned), in `weight`'s memory format,
-// or nullopt when no cuDNN graph builds for the problem (the caller falls back to ATen).
+// or nullopt when no cuDNN graph builds for the problem or ATen's was measured faster (the caller runs ATen).
 std::optional<at::Tensor> weight_grad(
     const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight, const ConvParams& params);
 

@@ -1,0 +1,200 @@
+// The bias gradient: dy summed over N, H and W with FP32 accumulation, for channels_last dy, by a kernel of our
+// own. On a channels_last tensor this is a column sum of the [N*H*W, K] matrix that dy is in memory: each block
+// streams a band of rows with 16-byte loads (bandwidth is all that matters), folds them into per-column partial
+// sums in a fixed order, and a second tiny pass adds the bands in a fixed order, so the result is bitwise
+// repeatable (deterministic) without atomics.
+#include "cuda/bias_grad.h"
+#include "cuda/knobs.h"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+
+namespace convbias::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kVectorBytes = 16;
+
+template <typename T>
+struct Accumulator {
+  using type = float;
+};
+template <>
+struct Accumulator<double> {
+  using type = double;
+};
+
+template <typename T, int kVec>
+struct alignas(kVectorBytes) Vector {
+  T v[kVec];
+};
+
+// Block (x, y): column vectors [x * columns_per_block, ...) of rows y, y + bands, ... in steps of rows_per_step.
+// partial[y][k] = sum of dy[row][k] over the block's rows, in a fixed order.
+template <typename T, int kVec>
+__global__ void column_partial_sums(
+    const T* __restrict__ dy, int64_t rows, int64_t columns, int columns_per_block, int rows_per_step,
+    typename Accumulator<T>::type* __restrict__ partial) {
+  using Acc = typename Accumulator<T>::type;
+  extern __shared__ unsigned char shared_bytes[];
+  Acc* shared = reinterpret_cast<Acc*>(shared_bytes);
+
+  const int lane_column = threadIdx.x % columns_per_block;
+  const int row_in_step = threadIdx.x / columns_per_block;
+  const int64_t vector_column = static_cast<int64_t>(blockIdx.x) * columns_per_block + lane_column;
+  const int64_t vector_columns = columns / kVec;
+  const bool active = row_in_step < rows_per_step && vector_column < vector_columns;
+
+  Acc sum[kVec];
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    sum[i] = 0;
+  }
+  if (active) {
+    const auto* base = reinterpret_cast<const Vector<T, kVec>*>(dy) + vector_column;
+    const int64_t stride = static_cast<int64_t>(gridDim.y) * rows_per_step;
+    int64_t row = static_cast<int64_t>(blockIdx.y) * rows_per_step + row_in_step;
+    // Four independent loads in flight per thread before any of them is added.
+    for (; row + 3 * stride < rows; row += 4 * stride) {
+      Vector<T, kVec> a = base[row * vector_columns];
+      Vector<T, kVec> b = base[(row + stride) * vector_columns];
+      Vector<T, kVec> c = base[(row + 2 * stride) * vector_columns];
+      Vector<T, kVec> d = base[(row + 3 * stride) * vector_columns];
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        sum[i] += (static_cast<Acc>(a.v[i]) + static_cast<Acc>(b.v[i])) +
+            (static_cast<Acc>(c.v[i]) + static_cast<Acc>(d.v[i]));
+      }
+    }
+    for (; row < rows; row += stride) {
+      Vector<T, kVec> a = base[row * vector_columns];
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        sum[i] += static_cast<Acc>(a.v[i]);
+      }
+    }
+  }
+  // Fold the block's rows: shared[row_in_step][lane_column * kVec + i].
+  const int width = columns_per_block * kVec;
+  if (row_in_step < rows_per_step) {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      shared[row_in_step * width + lane_column * kVec + i] = sum[i];
+    }
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < width; j += blockDim.x) {
+    const int64_t column = static_cast<int64_t>(blockIdx.x) * width + j;
+    if (column >= columns) {
+      continue;
+    }
+    Acc total = 0;
+    for (int r = 0; r < rows_per_step; ++r) {
+      total += shared[r * width + j];
+    }
+    partial[static_cast<int64_t>(blockIdx.y) * columns + column] = total;
+  }
+}
+
+// out[k] = sum over bands of partial[band][k], in band order.
+template <typename T>
+__global__ void sum_bands(
+    const typename Accumulator<T>::type* __restrict__ partial, int bands, int64_t columns, T* __restrict__ out) {
+  const int64_t column = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (column >= columns) {
+    return;
+  }
+  typename Accumulator<T>::type total = 0;
+  for (int band = 0; band < bands; ++band) {
+    total += partial[static_cast<int64_t>(band) * columns + column];
+  }
+  out[column] = static_cast<T>(total);
+}
+
+template <typename T>
+at::Tensor launch(const at::Tensor& dy) {
+  using Acc = typename Accumulator<T>::type;
+  constexpr int kVec = kVectorBytes / sizeof(T);
+  const int64_t columns = dy.size(1);
+  const int64_t rows = dy.numel() / columns;
+  const int64_t vector_columns = columns / kVec;
+  const int columns_per_block = static_cast<int>(std::min<int64_t>(vector_columns, kThreads));
+  const int rows_per_step = kThreads / columns_per_block;
+  const int column_blocks = static_cast<int>((vector_columns + columns_per_block - 1) / columns_per_block);
+  // Enough blocks to fill the GPU a few times over, and no band with fewer than ~16 steps of rows.
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t max_bands = std::max<int64_t>(1, rows / (16LL * rows_per_step));
+  const int bands = static_cast<int>(std::min<int64_t>(std::max(1, 4 * sms / column_blocks), max_bands));
+
+  at::Tensor partial = at::empty({bands, columns}, dy.options().dtype(c10::CppTypeToScalarType<Acc>::value));
+  at::Tensor out = at::empty({columns}, dy.options());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const size_t shared_bytes = static_cast<size_t>(rows_per_step) * columns_per_block * kVec * sizeof(Acc);
+  column_partial_sums<T, kVec><<<dim3(column_blocks, bands), kThreads, shared_bytes, stream>>>(
+      dy.const_data_ptr<T>(), rows, columns, columns_per_block, rows_per_step, partial.mutable_data_ptr<Acc>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  sum_bands<T><<<static_cast<int>((columns + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      partial.const_data_ptr<Acc>(), bands, columns, out.mutable_data_ptr<T>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+} // namespace
+
+bool bias_grad_kernel_applies(const at::Tensor& grad_output) {
+  if (grad_output.dim() != 4 || grad_output.numel() == 0 || !grad_output.is_cuda() ||
+      !grad_output.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+    return false;
+  }
+  const auto dtype = grad_output.scalar_type();
+  if (dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16 && dtype != at::kDouble) {
+    return false;
+  }
+  // 16-byte vectors along K: K a multiple of the vector width and a 16-byte aligned base.
+  const int64_t vec = kVectorBytes / grad_output.element_size();
+  return grad_output.size(1) % vec == 0 && reinterpret_cast<uintptr_t>(grad_output.const_data_ptr()) % 16 == 0;
+}
+
+at::Tensor bias_grad_channels_last(const at::Tensor& grad_output) {
+  TORCH_INTERNAL_ASSERT(bias_grad_kernel_applies(grad_output));
+  const c10::cuda::CUDAGuard guard(grad_output.device());
+  switch (grad_output.scalar_type()) {
+    case at::kFloat: return launch<float>(grad_output);
+    case at::kDouble: return launch<double>(grad_output);
+    case at::kHalf: return launch<at::Half>(grad_output);
+    case at::kBFloat16: return launch<at::BFloat16>(grad_output);
+    default: TORCH_CHECK(false, "convbias: no bias-gradient kernel for ", grad_output.scalar_type());
+  }
+}
+
+at::Tensor aten_bias_grad(const at::Tensor& grad_output) {
+  const at::ScalarType accumulate = grad_output.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return at::sum(grad_output, {0, 2, 3}, /*keepdim=*/false, accumulate).to(grad_output.scalar_type());
+}
+
+at::Tensor bias_grad(const at::Tensor& grad_output) {
+  if (bias_grad_way() == "kernel" && bias_grad_kernel_applies(grad_output)) {
+    return bias_grad_channels_last(grad_output);
+  }
+  return aten_bias_grad(grad_output);
+}
+
+at::Tensor bias_grad_with(const at::Tensor& grad_output, c10::string_view way) {
+  TORCH_CHECK_VALUE(grad_output.dim() == 4, "convbias._bias_grad: expected a 4-D grad_output, got ", grad_output.dim(), "-D");
+  if (way == "kernel") {
+    TORCH_CHECK_VALUE(
+        bias_grad_kernel_applies(grad_output),
+        "convbias._bias_grad: the kernel takes channels_last float/half/bfloat16/double grad_output with K a "
+        "multiple of 16 bytes and a 16-byte aligned base; got ", grad_output.scalar_type(), " of shape ",
+        grad_output.sizes(), " and strides ", grad_output.strides());
+    return bias_grad_channels_last(grad_output);
+  }
+  TORCH_CHECK_VALUE(way == "aten", "convbias._bias_grad: way must be 'kernel' or 'aten', got '", way, "'");
+  return aten_bias_grad(grad_output);
+}
+
+} // namespace convbias::cuda

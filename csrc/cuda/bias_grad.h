@@ -1,0 +1,26 @@
+// The bias gradient (grad_output summed over N, H, W, accumulated in FP32) by a kernel of our own.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+
+namespace convbias::cuda {
+
+// Whether the kernel takes this grad_output: a CUDA channels_last (NHWC-packed) 4-D tensor of float, double,
+// half or bfloat16 whose channel rows are whole 16-byte vectors (K a multiple of 4 in fp32, 8 in 16-bit types)
+// on a 16-byte aligned base. Others go to ATen's sum.
+bool bias_grad_kernel_applies(const at::Tensor& grad_output);
+
+// grad_output.sum((0, 2, 3)) with FP32 (FP64 for double) accumulation, rounded once to grad_output's dtype;
+// deterministic (fixed reduction order). Requires bias_grad_kernel_applies(grad_output).
+at::Tensor bias_grad_channels_last(const at::Tensor& grad_output);
+
+// The bias gradient as param_grad computes it: by the kernel where it applies, unless
+// TORCH_CONVBIAS_BIAS_GRAD=aten, else by ATen's sum (FP32 accumulation, FP64 for double, rounded once).
+at::Tensor bias_grad(const at::Tensor& grad_output);
+
+// convbias::_bias_grad(grad_output, way): one way by name, "kernel" or "aten" (for benchmarks and tests).
+at::Tensor bias_grad_with(const at::Tensor& grad_output, c10::string_view way);
+
+} // namespace convbias::cuda

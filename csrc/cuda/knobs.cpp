@@ -1,0 +1,58 @@
+#include "cuda/knobs.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+
+namespace convbias::cuda {
+
+namespace {
+
+std::string env_or(const char* name, const char* fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? std::string(value) : std::string(fallback);
+}
+
+} // namespace
+
+const Knobs& knobs() {
+  static const Knobs k = [] {
+    Knobs result;
+    const std::string size = env_or("TORCH_CONVBIAS_CACHE_SIZE", "1000");
+    try {
+      result.cache_size = std::stoll(size);
+    } catch (const std::exception&) {
+      TORCH_CHECK_VALUE(false, "TORCH_CONVBIAS_CACHE_SIZE must be a positive integer, got '", size, "'");
+    }
+    TORCH_CHECK_VALUE(result.cache_size > 0, "TORCH_CONVBIAS_CACHE_SIZE must be a positive integer, got ", size);
+    result.allow_runtime_compiled = env_or("TORCH_CONVBIAS_NO_RUNTIME_COMPILATION", "0") != "1";
+    result.path = env_or("TORCH_CONVBIAS_PATH", "auto");
+    TORCH_CHECK_VALUE(
+        result.path == "auto" || result.path == "fused" || result.path == "unfused" || result.path == "aten",
+        "TORCH_CONVBIAS_PATH must be auto, fused, unfused or aten, got '", result.path, "'");
+    result.autotune = env_or("TORCH_CONVBIAS_AUTOTUNE", "auto");
+    TORCH_CHECK_VALUE(
+        result.autotune == "auto" || result.autotune == "off" || result.autotune == "on",
+        "TORCH_CONVBIAS_AUTOTUNE must be auto, off or on, got '", result.autotune, "'");
+    result.param_grad = env_or("TORCH_CONVBIAS_PARAM_GRAD", "cudnn");
+    TORCH_CHECK_VALUE(
+        result.param_grad == "aten" || result.param_grad == "cudnn",
+        "TORCH_CONVBIAS_PARAM_GRAD must be aten or cudnn, got '", result.param_grad, "'");
+    result.bias_grad = env_or("TORCH_CONVBIAS_BIAS_GRAD", "kernel");
+    TORCH_CHECK_VALUE(
+        result.bias_grad == "kernel" || result.bias_grad == "aten",
+        "TORCH_CONVBIAS_BIAS_GRAD must be kernel or aten, got '", result.bias_grad, "'");
+    result.nchw = env_or("TORCH_CONVBIAS_NCHW", "auto");
+    TORCH_CHECK_VALUE(
+        result.nchw == "auto" || result.nchw == "graph" || result.nchw == "copy" || result.nchw == "aten",
+        "TORCH_CONVBIAS_NCHW must be auto, graph, copy or aten, got '", result.nchw, "'");
+    return result;
+  }();
+  return k;
+}
+
+const std::string& bias_grad_way() {
+  return knobs().bias_grad;
+}
+
+} // namespace convbias::cuda

@@ -1,0 +1,23 @@
+// Environment knobs (TORCH_CONVBIAS_*), read once and checked on first use; documented in README.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace convbias::cuda {
+
+struct Knobs {
+  int64_t cache_size; // TORCH_CONVBIAS_CACHE_SIZE (plans kept, LRU), default 1000
+  bool allow_runtime_compiled; // TORCH_CONVBIAS_NO_RUNTIME_COMPILATION=1 excludes NVRTC engines
+  std::string path; // TORCH_CONVBIAS_PATH: auto | fused | unfused | aten
+  std::string autotune; // TORCH_CONVBIAS_AUTOTUNE: auto | off | on
+  std::string param_grad; // TORCH_CONVBIAS_PARAM_GRAD: cudnn (conv_wgrad graph, default) | aten
+  std::string bias_grad; // TORCH_CONVBIAS_BIAS_GRAD: kernel (ours, where it applies) | aten
+  std::string nchw; // TORCH_CONVBIAS_NCHW: auto (measure) | graph | copy | aten: how NCHW tensors run
+};
+const Knobs& knobs();
+
+// knobs().bias_grad, for translation units that do not include the cuDNN frontend.
+const std::string& bias_grad_way();
+
+} // namespace convbias::cuda
