@@ -1,10 +1,9 @@
-// Autograd of convbias::forward, in C++ so that a differentiable call pays no Python: the weight and bias
-// gradients come from convbias::param_grad in one call, the input gradient (ATen's convolution backward) only
-// when the input requires grad, which it never does in layer-by-layer training where inputs are detached.
-//
-// convbias::param_grad keeps its autograd registration in Python (torch_convbias/ops.py): it raises
-// NotImplementedError when differentiated, so create_graph=True through forward fails loudly instead of
-// silently returning wrong second-order gradients.
+// Autograd of the convbias ops, in C++ so that no call pays for Python:
+// - forward: the weight and bias gradients come from convbias::param_grad in one call, the input gradient
+//   (ATen's convolution backward) only when the input requires grad, which it never does in layer-by-layer
+//   training where inputs are detached;
+// - param_grad: not differentiable; when its inputs require grad (create_graph=True through forward) its outputs
+//   get a backward that raises NotImplementedError, rather than silently wrong second-order gradients.
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -60,16 +59,10 @@ class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
           c10::SymIntArrayRef({c10::SymInt(0), c10::SymInt(0)}), groups, {true, false, false}));
     }
     if (needs_weight || needs_bias) {
-      std::optional<at::Tensor> w, b;
-      if (c10::GradMode::is_enabled()) {
-        // create_graph=True: through param_grad's autograd, which refuses to be differentiated.
-        std::tie(w, b) = param_grad_symint(
-            grad_output, input, weight, stride, padding, dilation, groups, {needs_weight, needs_bias});
-      } else {
-        const at::AutoDispatchBelowADInplaceOrView below_autograd;
-        std::tie(w, b) = param_grad_symint(
-            grad_output, input, weight, stride, padding, dilation, groups, {needs_weight, needs_bias});
-      }
+      // Through the dispatcher: with create_graph=True param_grad's autograd marks the results as not
+      // differentiable further; otherwise it goes straight to the kernel.
+      auto [w, b] =
+          param_grad_symint(grad_output, input, weight, stride, padding, dilation, groups, {needs_weight, needs_bias});
       grad_weight = w.value_or(at::Tensor());
       grad_bias = b.value_or(at::Tensor());
     }
@@ -77,6 +70,68 @@ class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
     return {grad_input, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+
+constexpr const char* kNoDoubleBackward =
+    "convbias: double backward (gradients of convbias.param_grad, e.g. autograd.grad(..., create_graph=True) "
+    "through convbias.forward) is not implemented; use torch.nn.functional.conv2d for higher-order gradients";
+
+// param_grad with autograd history: its outputs (the defined ones, in order) get a backward that refuses to run.
+class ParamGradFunction : public torch::autograd::Function<ParamGradFunction> {
+ public:
+  static variable_list forward(
+      AutogradContext* /*ctx*/,
+      const at::Tensor& grad_output,
+      const at::Tensor& input,
+      const at::Tensor& weight,
+      c10::SymIntArrayRef stride,
+      c10::SymIntArrayRef padding,
+      c10::SymIntArrayRef dilation,
+      const c10::SymInt& groups,
+      std::array<bool, 2> output_mask) {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [grad_weight, grad_bias] =
+        param_grad_symint(grad_output, input, weight, stride, padding, dilation, groups, output_mask);
+    variable_list outputs;
+    for (auto* grad : {&grad_weight, &grad_bias}) {
+      if (grad->has_value()) {
+        outputs.push_back(**grad);
+      }
+    }
+    return outputs;
+  }
+
+  static variable_list backward(AutogradContext* /*ctx*/, variable_list /*grad_outputs*/) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, kNoDoubleBackward);
+  }
+};
+
+std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_autograd(
+    const at::Tensor& grad_output,
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding,
+    c10::SymIntArrayRef dilation,
+    c10::SymInt groups,
+    std::array<bool, 2> output_mask) {
+  const bool records = c10::GradMode::is_enabled() &&
+      (grad_output.requires_grad() || input.requires_grad() || weight.requires_grad());
+  if (!records || (!output_mask[0] && !output_mask[1])) {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return param_grad_symint(grad_output, input, weight, stride, padding, dilation, std::move(groups), output_mask);
+  }
+  variable_list outputs =
+      ParamGradFunction::apply(grad_output, input, weight, stride, padding, dilation, groups, output_mask);
+  std::optional<at::Tensor> grad_weight, grad_bias;
+  size_t next = 0;
+  if (output_mask[0]) {
+    grad_weight = outputs.at(next++);
+  }
+  if (output_mask[1]) {
+    grad_bias = outputs.at(next++);
+  }
+  return {grad_weight, grad_bias};
+}
 
 at::Tensor forward_autograd(
     const at::Tensor& input,
@@ -93,6 +148,7 @@ at::Tensor forward_autograd(
 
 TORCH_LIBRARY_IMPL(convbias, Autograd, m) {
   m.impl("forward", &forward_autograd);
+  m.impl("param_grad", &param_grad_autograd);
 }
 
 } // namespace convbias

@@ -122,6 +122,26 @@ def test_double_backward_raises() -> None:
         grad_w.sum().backward()
 
 
+@pytest.mark.parametrize("mask", [[True, True], [True, False], [False, True]])
+def test_param_grad_called_directly_is_not_differentiable(mask: list[bool]) -> None:
+    dy = torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 2, 6, 6, dtype=torch.float64)
+    w = torch.randn(3, 2, 3, 3, dtype=torch.float64)
+    grad_weight, grad_bias = torch.ops.convbias.param_grad(dy, x, w, [1, 1], [0, 0], [1, 1], 1, mask)
+    expected = torch.ops.aten.convolution_backward(dy, x, w, [3], [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+                                                   [False, *mask])
+    for got, want, wanted in ((grad_weight, expected[1], mask[0]), (grad_bias, expected[2], mask[1])):
+        assert (got is None) == (not wanted)
+        if got is not None:
+            torch.testing.assert_close(got, want)
+            assert got.requires_grad
+            with pytest.raises(NotImplementedError, match="double backward"):
+                got.sum().backward()
+    with torch.no_grad():
+        grad_weight, _ = torch.ops.convbias.param_grad(dy, x, w, [1, 1], [0, 0], [1, 1], 1, mask)
+    assert grad_weight is None or not grad_weight.requires_grad
+
+
 @pytest.mark.parametrize("device,mode_name", device_modes())
 def test_empty_batch(device: str, mode_name: str) -> None:
     mode = MODES[mode_name]

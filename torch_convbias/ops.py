@@ -4,11 +4,11 @@ The schemas and the CPU/CUDA/autocast kernels are registered in C++ (``csrc/``);
 loads them. This module adds what torch.compile and autograd need:
 
 * fake kernels (``torch.library.register_fake``) giving the output's shape, dtype, device and memory format;
-* the autograd of ``convbias::param_grad``, which refuses double backward with a clear error;
 * ``setup_context``/``backward`` for :class:`torch_convbias.ConvBiasFunction`.
 
-The autograd of ``convbias::forward`` itself is registered in C++ (``csrc/autograd.cpp``, no Python per call):
-weight and bias gradients through ``convbias::param_grad``, the input gradient only when the input needs one.
+The autograd of both ops is registered in C++ (``csrc/autograd.cpp``, no Python per call): forward's weight and
+bias gradients through ``convbias::param_grad``, the input gradient only when the input needs one; param_grad
+itself raises NotImplementedError when differentiated (double backward).
 """
 
 from __future__ import annotations
@@ -95,20 +95,3 @@ def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, 
             grad_output, input, weight, stride, padding, dilation, groups, [needs_weight, needs_bias]
         )
     return grad_input, grad_weight, grad_bias, None, None, None, None
-
-
-def _param_grad_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    pass
-
-
-def _param_grad_backward(ctx: Any, *grads: Any) -> tuple[None, ...]:
-    # Without this, autograd would only warn and return wrong (missing) second-order gradients.
-    raise NotImplementedError(
-        "convbias: double backward (gradients of convbias.param_grad, e.g. autograd.grad(..., create_graph=True) "
-        "through convbias.forward) is not implemented; use torch.nn.functional.conv2d for higher-order gradients"
-    )
-
-
-torch.library.register_autograd(
-    "convbias::param_grad", _param_grad_backward, setup_context=_param_grad_setup_context
-)

@@ -125,10 +125,10 @@ at::Tensor launch(const at::Tensor& dy) {
   const int columns_per_block = static_cast<int>(std::min<int64_t>(vector_columns, kThreads));
   const int rows_per_step = kThreads / columns_per_block;
   const int column_blocks = static_cast<int>((vector_columns + columns_per_block - 1) / columns_per_block);
-  // Enough blocks to fill the GPU a few times over, and no band with fewer than ~16 steps of rows.
+  // Enough blocks to fill every SM (8 blocks of 256 threads each), and no band with fewer than ~16 steps of rows.
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t max_bands = std::max<int64_t>(1, rows / (16LL * rows_per_step));
-  const int bands = static_cast<int>(std::min<int64_t>(std::max(1, 4 * sms / column_blocks), max_bands));
+  const int bands = static_cast<int>(std::min<int64_t>(std::max(1, 8 * sms / column_blocks), max_bands));
 
   at::Tensor partial = at::empty({bands, columns}, dy.options().dtype(c10::CppTypeToScalarType<Acc>::value));
   at::Tensor out = at::empty({columns}, dy.options());

@@ -11,6 +11,7 @@
 
 #include <array>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -76,8 +77,10 @@ EngineChoice select_engine(
     c10::Device device);
 
 // Runs `fn` once to warm up, then three times between CUDA events on the current stream; the best time in ms.
+// When the warm-up run alone took longer than `give_up_above_ms`, returns its time without running again.
 // Synchronises the stream, so it is only used once per cache key and never during CUDA graph capture.
-float time_on_stream(const std::function<void()>& fn);
+float time_on_stream(
+    const std::function<void()>& fn, float give_up_above_ms = std::numeric_limits<float>::infinity());
 
 // Whether the current stream is capturing a CUDA graph (no synchronisation, no timing allowed then).
 bool stream_is_capturing();
@@ -114,7 +117,7 @@ std::shared_ptr<fe::graph::Tensor_attributes> packed_tensor(
 bool finalize_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string* why);
 
 // The selection policy for a graph of `dtype` under `flags`, the environment knobs and capture state: 3 timed
-// candidates by default, 8 with cudnn.benchmark (or TORCH_CONVBIAS_AUTOTUNE=on), 1 untimed when capturing or off.
+// candidates by default, 16 with cudnn.benchmark (or TORCH_CONVBIAS_AUTOTUNE=on), 1 untimed when capturing or off.
 SelectionPolicy default_policy(at::ScalarType dtype, const MathFlags& flags);
 
 // Whether the policy is the exhaustive one (cudnn.benchmark or TORCH_CONVBIAS_AUTOTUNE=on), outside capture.
