@@ -135,6 +135,22 @@ def test_channels_last_takes_fused_graph(dtype: torch.dtype) -> None:
     assert torch_convbias.explain(x, w, None, padding=1)["path"] == "conv"
 
 
+def test_benchmark_mode_measures_aten_too() -> None:
+    """Under cudnn.benchmark the graph path is measured against nn.Conv2d's own (ATen) path; the faster one runs."""
+    x, w, b = make(8, 32, 12, 12, 32, seed=7)
+    torch_convbias.cache_clear()
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        out = conv_bias2d(x, w, b, padding=1)
+        info = torch_convbias.explain(x, w, b, padding=1)
+    finally:
+        torch.backends.cudnn.benchmark = saved
+    torch.testing.assert_close(out, F.conv2d(x, w, b, padding=1), rtol=5e-3, atol=5e-3)
+    assert info["math"]["benchmark"] is True and info["graph_ms"] > 0 and info["aten_ms"] > 0, info
+    assert (info["path"] == "aten") == (info["aten_ms"] < info["graph_ms"]), info
+
+
 def test_odd_channels_and_float64_still_work() -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         x, w, b = make(4, 3, 17, 15, 5, r=5, dtype=dtype)

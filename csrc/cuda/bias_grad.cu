@@ -5,13 +5,19 @@
 // repeatable (deterministic) without atomics.
 #include "cuda/bias_grad.h"
 #include "cuda/knobs.h"
+#include "cuda/timing.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <array>
+#include <limits>
+#include <map>
+#include <mutex>
 
 namespace convbias::cuda {
 namespace {
@@ -116,7 +122,7 @@ __global__ void sum_bands(
 }
 
 template <typename T>
-at::Tensor launch(const at::Tensor& dy) {
+at::Tensor launch(const at::Tensor& dy, int blocks_per_sm) {
   using Acc = typename Accumulator<T>::type;
   constexpr int kVec = kVectorBytes / sizeof(T);
   const int64_t columns = dy.size(1);
@@ -125,10 +131,11 @@ at::Tensor launch(const at::Tensor& dy) {
   const int columns_per_block = static_cast<int>(std::min<int64_t>(vector_columns, kThreads));
   const int rows_per_step = kThreads / columns_per_block;
   const int column_blocks = static_cast<int>((vector_columns + columns_per_block - 1) / columns_per_block);
-  // Enough blocks to fill every SM (8 blocks of 256 threads each), and no band with fewer than ~16 steps of rows.
+  // `blocks_per_sm` blocks of 256 threads on every SM, and no band with fewer than ~16 steps of rows.
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t max_bands = std::max<int64_t>(1, rows / (16LL * rows_per_step));
-  const int bands = static_cast<int>(std::min<int64_t>(std::max(1, 8 * sms / column_blocks), max_bands));
+  const int bands =
+      static_cast<int>(std::min<int64_t>(std::max(1, blocks_per_sm * sms / column_blocks), max_bands));
 
   at::Tensor partial = at::empty({bands, columns}, dy.options().dtype(c10::CppTypeToScalarType<Acc>::value));
   at::Tensor out = at::empty({columns}, dy.options());
@@ -159,16 +166,65 @@ bool bias_grad_kernel_applies(const at::Tensor& grad_output) {
   return grad_output.size(1) % vec == 0 && reinterpret_cast<uintptr_t>(grad_output.const_data_ptr()) % 16 == 0;
 }
 
+namespace {
+
+at::Tensor launch_for(const at::Tensor& grad_output, int blocks_per_sm) {
+  switch (grad_output.scalar_type()) {
+    case at::kFloat: return launch<float>(grad_output, blocks_per_sm);
+    case at::kDouble: return launch<double>(grad_output, blocks_per_sm);
+    case at::kHalf: return launch<at::Half>(grad_output, blocks_per_sm);
+    case at::kBFloat16: return launch<at::BFloat16>(grad_output, blocks_per_sm);
+    default: TORCH_CHECK(false, "convbias: no bias-gradient kernel for ", grad_output.scalar_type());
+  }
+}
+
+// Blocks per SM: measured on the H200 (cuDNN 9.19 session of 2026-12-02), 4 reached 0.66-0.98 of copy bandwidth
+// on grad_outputs >= 128 MiB and 8 only 0.47-0.88, with no single setting best for every shape. So each
+// (device, dtype, rows, K) is timed once over a few settings and the fastest kept; 4 is used untimed (CUDA graph
+// capture, TORCH_CONVBIAS_AUTOTUNE=off) and under torch.use_deterministic_algorithms, where the summation order
+// must not depend on a timing.
+constexpr int kDefaultBlocksPerSm = 4;
+constexpr std::array<int, 4> kCandidateBlocksPerSm = {1, 2, 4, 8};
+
+int blocks_per_sm_for(const at::Tensor& grad_output) {
+  if (at::globalContext().deterministicAlgorithms() || knobs().autotune == "off" || stream_is_capturing()) {
+    return kDefaultBlocksPerSm;
+  }
+  const int64_t columns = grad_output.size(1);
+  const std::array<int64_t, 4> key = {
+      grad_output.device().index(), static_cast<int64_t>(grad_output.scalar_type()), grad_output.numel() / columns,
+      columns};
+  static std::mutex mutex;
+  static std::map<std::array<int64_t, 4>, int> tuned;
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (auto it = tuned.find(key); it != tuned.end()) {
+      return it->second;
+    }
+  }
+  int best = kDefaultBlocksPerSm;
+  float best_ms = std::numeric_limits<float>::infinity();
+  for (const int candidate : kCandidateBlocksPerSm) {
+    const float ms = time_on_stream([&] { (void)launch_for(grad_output, candidate); });
+    if (ms < best_ms) {
+      best_ms = ms;
+      best = candidate;
+    }
+  }
+  const std::lock_guard<std::mutex> lock(mutex);
+  // A bounded table: shapes seen by one training run are few; a program cycling through endless shapes re-times.
+  if (tuned.size() >= 4096) {
+    tuned.clear();
+  }
+  return tuned.emplace(key, best).first->second;
+}
+
+} // namespace
+
 at::Tensor bias_grad_channels_last(const at::Tensor& grad_output) {
   TORCH_INTERNAL_ASSERT(bias_grad_kernel_applies(grad_output));
   const c10::cuda::CUDAGuard guard(grad_output.device());
-  switch (grad_output.scalar_type()) {
-    case at::kFloat: return launch<float>(grad_output);
-    case at::kDouble: return launch<double>(grad_output);
-    case at::kHalf: return launch<at::Half>(grad_output);
-    case at::kBFloat16: return launch<at::BFloat16>(grad_output);
-    default: TORCH_CHECK(false, "convbias: no bias-gradient kernel for ", grad_output.scalar_type());
-  }
+  return launch_for(grad_output, blocks_per_sm_for(grad_output));
 }
 
 at::Tensor aten_bias_grad(const at::Tensor& grad_output) {

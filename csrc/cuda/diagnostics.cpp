@@ -87,6 +87,8 @@ std::string explain_cuda(
       .boolean("tuned", plan->tuned)
       .num("fused_ms", plan->fused_ms)
       .num("unfused_ms", plan->unfused_ms)
+      .num("graph_ms", plan->graph_ms)
+      .num("aten_ms", plan->aten_ms)
       .raw("alignment", JsonObject().num("input", a[0]).num("weight", a[1]).num("bias", a[2]).num("output", a[3]).dump())
       .strings("notes", plan->notes);
   if (plan->path != cuda::FpropPath::Aten) {

@@ -96,6 +96,12 @@ at::Tensor new_output(const FpropProblem& p, const at::Tensor& like) {
       like.options().memory_format(p.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous));
 }
 
+at::Tensor run_aten(
+    const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  const ConvParams& c = p.params;
+  return forward_reference(x, w, b, c.stride, c.padding, c.dilation, c.groups);
+}
+
 // The graph path for the problem in its own layout: fused graph, conv graph + bias add, or ATen when no graph
 // builds. Throws when a path forced by TORCH_CONVBIAS_PATH does not build (channels_last problems only: an
 // NCHW problem still has the channels_last copies to fall back on).
@@ -172,14 +178,23 @@ std::shared_ptr<FpropPlan> build_graph_path(
     plan->path = FpropPath::Aten;
     plan->notes.push_back("no cuDNN graph builds for this problem; running ATen's convolution. Hint: " + layout_hint(p));
   }
+  if (plan->path != FpropPath::Aten && p.channels_last && exhaustive_tuning(p.flags) && k.path == "auto") {
+    // Under cudnn.benchmark, nn.Conv2d's own path (ATen's convolution, then its bias add) is measured too: on
+    // strict fp32 the graph's best engine is often the one ATen uses, and where ATen is faster it is taken, so
+    // this op is never slower than nn.Conv2d for the key.
+    const float graph_ms = time_on_stream([&] { (void)run_fprop(*plan, p, x, w, b); });
+    const float aten_ms = time_on_stream([&] { (void)run_aten(p, x, w, b); });
+    plan->aten_ms = aten_ms;
+    plan->graph_ms = graph_ms;
+    if (aten_ms < graph_ms) {
+      plan->path = FpropPath::Aten;
+      plan->graph.reset();
+      plan->notes.push_back("ATen's convolution + bias add measured faster than the cuDNN graph");
+    }
+  }
   return plan;
 }
 
-at::Tensor run_aten(
-    const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
-  const ConvParams& c = p.params;
-  return forward_reference(x, w, b, c.stride, c.padding, c.dilation, c.groups);
-}
 
 // An NCHW problem (NCHW input and weight, so F.conv2d returns NCHW) runs one of three ways: a graph over the
 // NCHW strides (precompiled engines only), the channels_last plan on copies (two copies in, one out), or

@@ -44,6 +44,8 @@ struct FpropPlan {
   bool tuned = false; // candidates (and fused vs unfused) were timed
   float fused_ms = -1; // measured, when both paths were timed
   float unfused_ms = -1;
+  float graph_ms = -1; // channels_last under cudnn.benchmark: the chosen graph path ...
+  float aten_ms = -1; // ... and ATen's convolution + bias add, measured; the faster one is kept
   std::vector<std::string> notes; // why this path: what was rejected and why
 
   // NCHW problems: the three ways to run them (a graph over NCHW strides, the channels_last plan on copies,

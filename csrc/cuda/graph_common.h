@@ -8,10 +8,10 @@
 
 #include "conv_args.h"
 #include "cuda/knobs.h"
+#include "cuda/timing.h"
 
 #include <array>
 #include <functional>
-#include <limits>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -75,15 +75,6 @@ EngineChoice select_engine(
     const SelectionPolicy& policy,
     const std::function<void(int64_t plan_index, void* workspace)>& run,
     c10::Device device);
-
-// Runs `fn` once to warm up, then three times between CUDA events on the current stream; the best time in ms.
-// When the warm-up run alone took longer than `give_up_above_ms`, returns its time without running again.
-// Synchronises the stream, so it is only used once per cache key and never during CUDA graph capture.
-float time_on_stream(
-    const std::function<void()>& fn, float give_up_above_ms = std::numeric_limits<float>::infinity());
-
-// Whether the current stream is capturing a CUDA graph (no synchronisation, no timing allowed then).
-bool stream_is_capturing();
 
 // Fully packed strides of NCHW-ordered dims: NHWC (channels_last, the layout the fusion engines take) or NCHW.
 std::vector<int64_t> channels_last_strides(const std::array<int64_t, 4>& dims);
