@@ -1,6 +1,7 @@
 // The bias gradient: dy summed over N, H and W with FP32 accumulation, for channels_last dy, by a kernel of our
 // own. On a channels_last tensor this is a column sum of the [N*H*W, K] matrix that dy is in memory: each block
-// streams a band of rows with 16-byte loads (bandwidth is all that matters), folds them into per-column partial
+// streams a band of rows with 16-byte loads, several in flight per thread (bandwidth is all that matters; the
+// launch configuration is timed once per shape), folds them into per-column partial
 // sums in a fixed order, and a second tiny pass adds the bands in a fixed order, so the result is bitwise
 // repeatable (deterministic) without atomics.
 #include "cuda/bias_grad.h"
@@ -41,7 +42,7 @@ struct alignas(kVectorBytes) Vector {
 
 // Block (x, y): column vectors [x * columns_per_block, ...) of rows y, y + bands, ... in steps of rows_per_step.
 // partial[y][k] = sum of dy[row][k] over the block's rows, in a fixed order.
-template <typename T, int kVec>
+template <typename T, int kVec, int kUnroll>
 __global__ void column_partial_sums(
     const T* __restrict__ dy, int64_t rows, int64_t columns, int columns_per_block, int rows_per_step,
     typename Accumulator<T>::type* __restrict__ partial) {
@@ -64,16 +65,19 @@ __global__ void column_partial_sums(
     const auto* base = reinterpret_cast<const Vector<T, kVec>*>(dy) + vector_column;
     const int64_t stride = static_cast<int64_t>(gridDim.y) * rows_per_step;
     int64_t row = static_cast<int64_t>(blockIdx.y) * rows_per_step + row_in_step;
-    // Four independent loads in flight per thread before any of them is added.
-    for (; row + 3 * stride < rows; row += 4 * stride) {
-      Vector<T, kVec> a = base[row * vector_columns];
-      Vector<T, kVec> b = base[(row + stride) * vector_columns];
-      Vector<T, kVec> c = base[(row + 2 * stride) * vector_columns];
-      Vector<T, kVec> d = base[(row + 3 * stride) * vector_columns];
+    // kUnroll independent loads in flight per thread before any of them is added.
+    for (; row + (kUnroll - 1) * stride < rows; row += kUnroll * stride) {
+      Vector<T, kVec> loaded[kUnroll];
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        sum[i] += (static_cast<Acc>(a.v[i]) + static_cast<Acc>(b.v[i])) +
-            (static_cast<Acc>(c.v[i]) + static_cast<Acc>(d.v[i]));
+      for (int u = 0; u < kUnroll; ++u) {
+        loaded[u] = base[(row + u * stride) * vector_columns];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          sum[i] += static_cast<Acc>(loaded[u].v[i]);
+        }
       }
     }
     for (; row < rows; row += stride) {
@@ -121,8 +125,15 @@ __global__ void sum_bands(
   out[column] = static_cast<T>(total);
 }
 
+// How the kernel is launched: blocks of 256 threads per SM, and loads in flight per thread (4 or 8).
+struct LaunchConfig {
+  int blocks_per_sm;
+  int unroll;
+};
+
 template <typename T>
-at::Tensor launch(const at::Tensor& dy, int blocks_per_sm) {
+at::Tensor launch(const at::Tensor& dy, LaunchConfig config) {
+  const int blocks_per_sm = config.blocks_per_sm;
   using Acc = typename Accumulator<T>::type;
   constexpr int kVec = kVectorBytes / sizeof(T);
   const int64_t columns = dy.size(1);
@@ -141,8 +152,14 @@ at::Tensor launch(const at::Tensor& dy, int blocks_per_sm) {
   at::Tensor out = at::empty({columns}, dy.options());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const size_t shared_bytes = static_cast<size_t>(rows_per_step) * columns_per_block * kVec * sizeof(Acc);
-  column_partial_sums<T, kVec><<<dim3(column_blocks, bands), kThreads, shared_bytes, stream>>>(
-      dy.const_data_ptr<T>(), rows, columns, columns_per_block, rows_per_step, partial.mutable_data_ptr<Acc>());
+  const dim3 grid(column_blocks, bands);
+  if (config.unroll == 8) {
+    column_partial_sums<T, kVec, 8><<<grid, kThreads, shared_bytes, stream>>>(
+        dy.const_data_ptr<T>(), rows, columns, columns_per_block, rows_per_step, partial.mutable_data_ptr<Acc>());
+  } else {
+    column_partial_sums<T, kVec, 4><<<grid, kThreads, shared_bytes, stream>>>(
+        dy.const_data_ptr<T>(), rows, columns, columns_per_block, rows_per_step, partial.mutable_data_ptr<Acc>());
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   sum_bands<T><<<static_cast<int>((columns + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       partial.const_data_ptr<Acc>(), bands, columns, out.mutable_data_ptr<T>());
@@ -168,43 +185,43 @@ bool bias_grad_kernel_applies(const at::Tensor& grad_output) {
 
 namespace {
 
-at::Tensor launch_for(const at::Tensor& grad_output, int blocks_per_sm) {
+at::Tensor launch_for(const at::Tensor& grad_output, LaunchConfig config) {
   switch (grad_output.scalar_type()) {
-    case at::kFloat: return launch<float>(grad_output, blocks_per_sm);
-    case at::kDouble: return launch<double>(grad_output, blocks_per_sm);
-    case at::kHalf: return launch<at::Half>(grad_output, blocks_per_sm);
-    case at::kBFloat16: return launch<at::BFloat16>(grad_output, blocks_per_sm);
+    case at::kFloat: return launch<float>(grad_output, config);
+    case at::kDouble: return launch<double>(grad_output, config);
+    case at::kHalf: return launch<at::Half>(grad_output, config);
+    case at::kBFloat16: return launch<at::BFloat16>(grad_output, config);
     default: TORCH_CHECK(false, "convbias: no bias-gradient kernel for ", grad_output.scalar_type());
   }
 }
 
-// Blocks per SM: measured on the H200 (cuDNN 9.19 session of 2026-12-02), 4 reached 0.66-0.98 of copy bandwidth
-// on grad_outputs >= 128 MiB and 8 only 0.47-0.88, with no single setting best for every shape. So each
-// (device, dtype, rows, K) is timed once over a few settings and the fastest kept; 4 is used untimed (CUDA graph
-// capture, TORCH_CONVBIAS_AUTOTUNE=off) and under torch.use_deterministic_algorithms, where the summation order
-// must not depend on a timing.
-constexpr int kDefaultBlocksPerSm = 4;
-constexpr std::array<int, 4> kCandidateBlocksPerSm = {1, 2, 4, 8};
+// Measured on the H200 (2026-12-02): with 4 loads in flight, 4 blocks per SM reached 0.66-0.98 of copy bandwidth
+// on grad_outputs >= 128 MiB and 8 blocks only 0.47-0.88, with no setting best for every shape. So each
+// (device, dtype, rows, K) is timed once over a few launch configurations and the fastest kept; the default is
+// used untimed (CUDA graph capture, TORCH_CONVBIAS_AUTOTUNE=off) and under torch.use_deterministic_algorithms,
+// where the summation order must not depend on a timing.
+constexpr LaunchConfig kDefaultConfig = {4, 4};
+constexpr std::array<LaunchConfig, 6> kCandidateConfigs = {{{1, 8}, {2, 4}, {2, 8}, {4, 4}, {4, 8}, {8, 4}}};
 
-int blocks_per_sm_for(const at::Tensor& grad_output) {
+LaunchConfig config_for(const at::Tensor& grad_output) {
   if (at::globalContext().deterministicAlgorithms() || knobs().autotune == "off" || stream_is_capturing()) {
-    return kDefaultBlocksPerSm;
+    return kDefaultConfig;
   }
   const int64_t columns = grad_output.size(1);
   const std::array<int64_t, 4> key = {
       grad_output.device().index(), static_cast<int64_t>(grad_output.scalar_type()), grad_output.numel() / columns,
       columns};
   static std::mutex mutex;
-  static std::map<std::array<int64_t, 4>, int> tuned;
+  static std::map<std::array<int64_t, 4>, LaunchConfig> tuned;
   {
     const std::lock_guard<std::mutex> lock(mutex);
     if (auto it = tuned.find(key); it != tuned.end()) {
       return it->second;
     }
   }
-  int best = kDefaultBlocksPerSm;
+  LaunchConfig best = kDefaultConfig;
   float best_ms = std::numeric_limits<float>::infinity();
-  for (const int candidate : kCandidateBlocksPerSm) {
+  for (const LaunchConfig& candidate : kCandidateConfigs) {
     const float ms = time_on_stream([&] { (void)launch_for(grad_output, candidate); });
     if (ms < best_ms) {
       best_ms = ms;
@@ -224,7 +241,7 @@ int blocks_per_sm_for(const at::Tensor& grad_output) {
 at::Tensor bias_grad_channels_last(const at::Tensor& grad_output) {
   TORCH_INTERNAL_ASSERT(bias_grad_kernel_applies(grad_output));
   const c10::cuda::CUDAGuard guard(grad_output.device());
-  return launch_for(grad_output, blocks_per_sm_for(grad_output));
+  return launch_for(grad_output, config_for(grad_output));
 }
 
 at::Tensor aten_bias_grad(const at::Tensor& grad_output) {

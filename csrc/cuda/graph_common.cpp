@@ -13,6 +13,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <set>
+#include <unordered_map>
 #include <sstream>
 
 namespace convbias::cuda {
@@ -68,6 +70,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// A bound on one key's plan selection when many candidates are timed (the engine sweep under cudnn.benchmark):
+// a cold first call must not take minutes.
+constexpr double kTimingBudgetSeconds = 5.0;
+
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
@@ -83,6 +89,30 @@ bool is_runtime_compiled(fe::graph::Graph& graph, int64_t index) {
 void note_rejection(EngineChoice& choice, const std::string& why) {
   if (choice.rejected.size() < 8) {
     choice.rejected.push_back(why);
+  }
+}
+
+// Appends a plan for every engine of the operation graph that heuristics did not offer, with the engine's
+// default knobs. Engines that do not take the graph fail here and are skipped; the caller's note filters apply to
+// the added plans as to the others.
+void add_unoffered_engines(fe::graph::Graph& graph, EngineChoice& choice) {
+  std::set<int64_t> offered;
+  for (int64_t i = 0; i < graph.get_execution_plan_count(); ++i) {
+    int64_t engine_id = -1;
+    std::unordered_map<fe::KnobType_t, int64_t> knobs;
+    if (graph.get_engine_and_knobs_at_index(i, engine_id, knobs).is_good()) {
+      offered.insert(engine_id);
+    }
+  }
+  int64_t engines = 0;
+  if (graph.get_engine_count(engines).is_bad()) {
+    note_rejection(choice, "engine sweep: the engine count is unavailable");
+    return;
+  }
+  for (int64_t engine_id = 0; engine_id < engines; ++engine_id) {
+    if (offered.count(engine_id) == 0) {
+      (void)graph.create_execution_plan(engine_id, {});
+    }
   }
 }
 
@@ -132,6 +162,9 @@ EngineChoice select_engine(
     note_rejection(choice, "heuristics: " + status.get_message());
     choice.build_seconds = seconds_since(start);
     return choice;
+  }
+  if (policy.sweep_engines) {
+    add_unoffered_engines(graph, choice);
   }
   // Filters as PyTorch applies them, per graph: TF32 engines carry TENSOR_CORE on FLOAT graphs.
   std::vector<fe::NumericalNote_t> excluded;
@@ -187,6 +220,10 @@ EngineChoice select_engine(
   if (policy.time_candidates && built.size() > 1) {
     float best = std::numeric_limits<float>::infinity();
     for (const int64_t index : built) {
+      if (seconds_since(start) > kTimingBudgetSeconds && !std::isinf(best)) {
+        note_rejection(choice, "timing stopped after " + std::to_string(kTimingBudgetSeconds) + " s: remaining candidates untimed");
+        break;
+      }
       std::string name;
       (void)graph.get_plan_name_at_index(index, name);
       at::Tensor workspace;
@@ -319,9 +356,10 @@ SelectionPolicy default_policy(at::ScalarType dtype, const MathFlags& flags) {
   return SelectionPolicy{
       /*float32_io=*/dtype == at::kFloat,
       flags,
-      /*max_candidates=*/untimed ? 1 : (exhaustive_tuning(flags) ? 16 : 3),
+      /*max_candidates=*/untimed ? 1 : (exhaustive_tuning(flags) ? 128 : 3),
       /*time_candidates=*/!untimed,
-      /*allow_runtime_compiled=*/k.allow_runtime_compiled && !capturing};
+      /*allow_runtime_compiled=*/k.allow_runtime_compiled && !capturing,
+      /*sweep_engines=*/!untimed && exhaustive_tuning(flags)};
 }
 
 } // namespace convbias::cuda
