@@ -166,8 +166,9 @@ EngineChoice select_engine(
   if (policy.sweep_engines) {
     add_unoffered_engines(graph, choice);
   }
-  // Filters as PyTorch applies them, per graph: TF32 engines carry TENSOR_CORE on FLOAT graphs.
-  std::vector<fe::NumericalNote_t> excluded;
+  // Filters as PyTorch applies them, per graph: TF32 engines carry TENSOR_CORE on FLOAT graphs. Reductions in
+  // reduced precision are never taken: the graphs promise FP32 accumulation for every I/O dtype.
+  std::vector<fe::NumericalNote_t> excluded{fe::NumericalNote_t::REDUCED_PRECISION_REDUCTION};
   if (policy.float32_io && !policy.flags.allow_tf32) {
     excluded.push_back(fe::NumericalNote_t::TENSOR_CORE);
     excluded.push_back(fe::NumericalNote_t::DOWN_CONVERT_INPUTS);
@@ -175,9 +176,7 @@ EngineChoice select_engine(
   if (policy.flags.deterministic) {
     excluded.push_back(fe::NumericalNote_t::NONDETERMINISTIC);
   }
-  if (!excluded.empty()) {
-    graph.deselect_numeric_notes(excluded);
-  }
+  graph.deselect_numeric_notes(excluded);
   if (!policy.allow_runtime_compiled) {
     graph.deselect_behavior_notes({fe::BehaviorNote_t::RUNTIME_COMPILATION});
   }
