@@ -4,8 +4,9 @@
 #   ./dev.sh setup   install what is missing, then build the extension in place
 #   ./dev.sh test    setup, then run the test suite
 #   ./dev.sh demo    setup, then run the layer-by-layer training demo
-#   ./dev.sh gpu DIR setup, doctor, the whole test suite and every benchmark, logs and results into DIR
-#                    (one call on the GPU machine: `./dev.sh gpu $OUT`)
+#   ./dev.sh gpu DIR [all|tests|bench]
+#                    on the GPU machine: setup, then the doctor and the CUDA tests (tests), every benchmark and
+#                    the demo on cuda (bench), or both (all); logs and results into DIR (`./dev.sh gpu $OUT tests`)
 #
 # setup installs only what is missing: on a fresh CPU machine with PyPI, torch 2.14.1, pytest, scikit-learn
 # and the cuDNN frontend headers; on a machine that already has them (a GPU box without network, with
@@ -40,19 +41,27 @@ case "${1:-}" in
   test) setup; shift; exec "$PYTHON" -m pytest tests "$@" ;;
   demo) setup; shift; exec "$PYTHON" examples/layerwise_digits.py "$@" ;;
   gpu)
-    out=${2:?usage: ./dev.sh gpu OUTDIR}
+    out=${2:?usage: ./dev.sh gpu OUTDIR [all|tests|bench]}
+    phase=${3:-all}
     mkdir -p "$out"
-    # The device tool returns at most 8 files: one log, and a JSON + PNG per benchmark.
+    # The device tool returns at most 8 files: tests.log, a JSON + PNG per training benchmark, the overhead JSON.
     setup > /tmp/convbias-build.log 2>&1 || { cp /tmp/convbias-build.log "$out/"; tail -40 /tmp/convbias-build.log; exit 1; }
     status=0
-    "$PYTHON" -m torch_convbias.doctor > "$out/tests.log" 2>&1 || status=1
-    "$PYTHON" -m pytest tests -q -rs -p no:cacheprovider >> "$out/tests.log" 2>&1 || status=1
-    tail -5 "$out/tests.log"
-    for bench in bench/bench_*.py; do
-      name=$(basename "$bench" .py)
-      "$PYTHON" -m "bench.$name" --plot --out "$out" > "/tmp/$name.log" 2>&1 || status=1
-      tail -12 "/tmp/$name.log"
-    done
+    if [ "$phase" = all ] || [ "$phase" = tests ]; then
+      # The CPU tests run in CI; here the CUDA ones (and every test that takes a device parameter on cuda).
+      "$PYTHON" -m torch_convbias.doctor > "$out/tests.log" 2>&1 || status=1
+      "$PYTHON" -m pytest tests -q -rs -k "not cpu" -p no:cacheprovider >> "$out/tests.log" 2>&1 || status=1
+      tail -5 "$out/tests.log"
+      grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -20 || true
+    fi
+    if [ "$phase" = all ] || [ "$phase" = bench ]; then
+      for name in bench_forward bench_param_grad bench_layerwise; do
+        "$PYTHON" -m "bench.$name" --plot --out "$out" > "/tmp/$name.log" 2>&1 || status=1
+        grep -A12 "summary" "/tmp/$name.log" | grep -v "^plot\|^results" | head -14
+      done
+      "$PYTHON" -m bench.bench_overhead --out "$out" 2>&1 | tail -6 || status=1
+      "$PYTHON" examples/layerwise_digits.py --device cuda 2>&1 | tail -8 || status=1
+    fi
     exit $status ;;
-  *) sed -n '2,12p' "$0"; exit 2 ;;
+  *) sed -n '2,13p' "$0"; exit 2 ;;
 esac
