@@ -310,6 +310,14 @@ def test_path_knob(path: str, expected: str) -> None:
     assert run_with_env(TORCH_CONVBIAS_PATH=path)["explain"]["path"] == expected
 
 
+def test_autotune_on_sweeps_and_times_every_engine() -> None:
+    """TORCH_CONVBIAS_AUTOTUNE=on: heuristics' configurations plus every other engine are built and timed."""
+    engine = run_with_env(TORCH_CONVBIAS_AUTOTUNE="on", TORCH_CONVBIAS_PATH="fused")["explain"]["engine"]
+    assert engine["swept"] >= 0 and engine["heuristic_candidates"] >= engine["swept"], engine
+    assert len(engine["timings"]) > 3, engine  # more than the default policy's three candidates
+    assert engine["measured_ms"] == min(ms for _, ms in engine["timings"]), engine
+
+
 def test_cache_size_knob_evicts() -> None:
     cache = run_with_env(TORCH_CONVBIAS_CACHE_SIZE="1")["cache"]
     assert cache["capacity"] == 1 and cache["size"] == 1 and cache["evictions"] >= 1, cache

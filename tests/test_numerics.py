@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cases import CASES, Case
-from conftest import DEVICES, MODES, assert_close, device_modes, math_mode
+from conftest import CUDA_MODES, DEVICES, MODES, assert_close, cuda, device_modes, math_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_convbias import ConvBiasFunction, conv_bias2d
@@ -29,6 +29,32 @@ def test_forward_matches_conv2d(device: str, mode_name: str, case: Case) -> None
         assert out.is_contiguous(memory_format=torch.channels_last)
     if not case.channels_last:
         assert out.is_contiguous()
+
+
+@pytest.mark.parametrize("case", CASE_PARAMS[::3])
+@pytest.mark.parametrize("mode_name", CUDA_MODES)
+@cuda
+def test_benchmark_mode_matches_conv2d(mode_name: str, case: Case) -> None:
+    """Under cudnn.benchmark every engine that builds is timed (including the engine sweep) and any may be
+    chosen: outputs and parameter gradients must still match F.conv2d's."""
+    mode = MODES[mode_name]
+    stride, padding, dilation, groups = case.conv_args()
+    x, w, b = case.tensors("cuda", mode.dtype)
+    w.requires_grad_()
+    w_ref = w.detach().clone().requires_grad_()
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        with math_mode(mode):
+            out = conv_bias2d(x, w, b, stride, padding, dilation, groups)
+            expected = F.conv2d(x, w_ref, b, stride, padding, dilation, groups)
+            grad = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2)).to("cuda", mode.dtype)
+            out.backward(grad)
+            expected.backward(grad)
+    finally:
+        torch.backends.cudnn.benchmark = saved
+    assert_close(out, expected, mode, "output (cudnn.benchmark)")
+    assert_close(w.grad, w_ref.grad, mode, "grad of weight (cudnn.benchmark)")
 
 
 class OpRecorder(TorchDispatchMode):

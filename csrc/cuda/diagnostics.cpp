@@ -43,6 +43,7 @@ std::string engine_json(const cuda::EngineChoice& e) {
       .num("build_seconds", e.build_seconds)
       .num("measured_ms", e.measured_ms)
       .num("heuristic_candidates", e.heuristic_candidates)
+      .num("swept", e.swept)
       .num("built", e.built)
       .raw("timings", timings_json(e.timings))
       .strings("rejected", e.rejected)

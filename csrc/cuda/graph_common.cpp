@@ -110,8 +110,8 @@ void add_unoffered_engines(fe::graph::Graph& graph, EngineChoice& choice) {
     return;
   }
   for (int64_t engine_id = 0; engine_id < engines; ++engine_id) {
-    if (offered.count(engine_id) == 0) {
-      (void)graph.create_execution_plan(engine_id, {});
+    if (offered.count(engine_id) == 0 && graph.create_execution_plan(engine_id, {}).is_good()) {
+      ++choice.swept;
     }
   }
 }

@@ -52,7 +52,8 @@ struct EngineChoice {
   bool runtime_compiled = false;
   double build_seconds = 0; // heuristics query and plan builds
   float measured_ms = -1; // best timing, when candidates were timed
-  int64_t heuristic_candidates = 0; // engine configs heuristics offered (after note filters)
+  int64_t heuristic_candidates = 0; // engine configs offered: heuristics' and the sweep's (before note filters)
+  int64_t swept = 0; // of which added by the engine sweep (engines heuristics did not offer)
   int64_t built = 0; // plans that built
   std::vector<std::string> rejected; // why candidates were dropped (first few)
   std::vector<std::pair<std::string, float>> timings; // (engine, ms) of each timed candidate
