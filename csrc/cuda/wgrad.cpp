@@ -127,8 +127,12 @@ std::optional<at::Tensor> weight_grad(
     return std::nullopt;
   }
   VariantPack pack = variant_pack(x, dy, dw);
-  at::Tensor workspace = at::empty({plan->engine.workspace_bytes}, x.options().dtype(at::kByte));
-  execute_graph(*plan->graph, plan->engine.plan_index, workspace.data_ptr(), pack, [&] {
+  const int64_t workspace_bytes = plan->engine.workspace_bytes;
+  at::Tensor workspace;
+  if (workspace_bytes > 0) {
+    workspace = at::empty({workspace_bytes}, x.options().dtype(at::kByte));
+  }
+  execute_graph(*plan->graph, plan->engine.plan_index, workspace_bytes > 0 ? workspace.data_ptr() : nullptr, pack, [&] {
     return "conv_wgrad graph for " + p.describe();
   });
   return dw.contiguous(is_channels_last(weight) ? cl : at::MemoryFormat::Contiguous);
