@@ -44,7 +44,8 @@ case "${1:-}" in
     out=${2:?usage: ./dev.sh gpu OUTDIR [all|tests|bench]}
     phase=${3:-all}
     mkdir -p "$out"
-    # The device tool returns at most 8 files: tests.log, a JSON + PNG per training benchmark, the overhead JSON.
+    # The device tool returns at most 8 files: tests.log (tests), a JSON + PNG per training benchmark and the bias and
+    # overhead JSONs (bench): run the phases in separate calls.
     setup > /tmp/convbias-build.log 2>&1 || { cp /tmp/convbias-build.log "$out/"; tail -40 /tmp/convbias-build.log; exit 1; }
     status=0
     if [ "$phase" = all ] || [ "$phase" = tests ]; then
@@ -59,6 +60,7 @@ case "${1:-}" in
         "$PYTHON" -m "bench.$name" --plot --out "$out" > "/tmp/$name.log" 2>&1 || status=1
         grep -A12 "summary" "/tmp/$name.log" | grep -v "^plot\|^results" | head -14
       done
+      "$PYTHON" -m bench.bench_bias_grad --out "$out" 2>&1 | tail -5 || status=1
       "$PYTHON" -m bench.bench_overhead --out "$out" 2>&1 | tail -6 || status=1
       "$PYTHON" examples/layerwise_digits.py --device cuda 2>&1 | tail -8 || status=1
     fi

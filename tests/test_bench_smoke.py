@@ -17,6 +17,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch_convbias  # noqa: E402
+from conftest import HAS_CUDA  # noqa: E402
 from bench import bench_forward, common  # noqa: E402
 
 ENV_KEYS = {"commit", "dirty", "gpu", "torch", "cuda", "cudnn", "torch_convbias", "timestamp_utc"}
@@ -128,3 +129,11 @@ def test_helpers() -> None:
         assert torch.backends.cudnn.allow_tf32 is True and torch.backends.cudnn.benchmark is not before[1]
     assert (torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark) == before
     assert common.time_cuda(lambda: None, warmup=1, iters=3, device="cpu")["iters"] == 3
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message given without a GPU")
+def test_bias_grad_bench_says_it_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import bench_bias_grad
+
+    assert bench_bias_grad.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out

@@ -14,6 +14,8 @@ import pytest
 import torch
 from conftest import HAS_CUDA
 
+import torch_convbias
+
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,14 +105,31 @@ def test_bias_grad_kernel_matches_float64(dtype: torch.dtype, shape: tuple[int, 
     assert torch.equal(kernel, torch.ops.convbias._bias_grad(dy, "kernel"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 8, 5, 5), (64, 64, 16, 16), (3, 24, 7, 9)], ids=lambda s: "x".join(map(str, s)))
+def test_bias_grad_cudnn_reduction_matches_float64(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> None:
+    """The cuDNN reduction graph way (TORCH_CONVBIAS_BIAS_GRAD=cudnn): runtime-compiled, so slow to build."""
+    g = torch.Generator().manual_seed(sum(shape))
+    dy = torch.randn(shape, generator=g).to("cuda", dtype).contiguous(memory_format=torch.channels_last)
+    expected = dy.double().sum((0, 2, 3))
+    got = torch.ops.convbias._bias_grad(dy, "cudnn")
+    assert got.dtype == dtype and got.shape == (shape[1],)
+    scale = max(1.0, expected.abs().max().item())
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * scale)
+    assert torch_convbias.cache_info()["bias_grad_plans"] >= 1
+
+
 def test_bias_grad_kernel_refuses_what_it_cannot_take() -> None:
     nchw = torch.randn(2, 8, 4, 4, device="cuda")
     with pytest.raises(ValueError, match="the kernel takes channels_last"):
         torch.ops.convbias._bias_grad(nchw, "kernel")
+    with pytest.raises(ValueError, match="the cuDNN reduction graph takes channels_last"):
+        torch.ops.convbias._bias_grad(nchw, "cudnn")
     odd = torch.randn(2, 6, 4, 4, device="cuda").contiguous(memory_format=torch.channels_last)  # K*4 bytes % 16 != 0
     with pytest.raises(ValueError, match="multiple of 16 bytes"):
         torch.ops.convbias._bias_grad(odd, "kernel")
-    with pytest.raises(ValueError, match="way must be 'kernel' or 'aten', got 'fast'"):
+    with pytest.raises(ValueError, match="way must be 'kernel', 'cudnn' or 'aten', got 'fast'"):
         torch.ops.convbias._bias_grad(odd, "fast")
     # param_grad still gives the right bias gradient for both (through ATen's sum).
     for dy in (nchw, odd):

@@ -58,8 +58,9 @@ def explain(
 
 
 def cache_info() -> dict[str, float]:
-    """Plan cache statistics: hits, misses, evictions, size (= forward_plans + weight_grad_plans), capacity
-    (TORCH_CONVBIAS_CACHE_SIZE, per kind of plan), and build_seconds (time spent building and timing plans)."""
+    """Plan cache statistics: hits, misses, evictions, size (= forward_plans + weight_grad_plans +
+    bias_grad_plans), capacity (TORCH_CONVBIAS_CACHE_SIZE, per kind of plan), and build_seconds (time spent
+    building and timing plans)."""
     return json.loads(torch.ops.convbias._plan_cache_stats())
 
 

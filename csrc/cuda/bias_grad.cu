@@ -244,30 +244,4 @@ at::Tensor bias_grad_channels_last(const at::Tensor& grad_output) {
   return launch_for(grad_output, config_for(grad_output));
 }
 
-at::Tensor aten_bias_grad(const at::Tensor& grad_output) {
-  const at::ScalarType accumulate = grad_output.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  return at::sum(grad_output, {0, 2, 3}, /*keepdim=*/false, accumulate).to(grad_output.scalar_type());
-}
-
-at::Tensor bias_grad(const at::Tensor& grad_output) {
-  if (bias_grad_way() == "kernel" && bias_grad_kernel_applies(grad_output)) {
-    return bias_grad_channels_last(grad_output);
-  }
-  return aten_bias_grad(grad_output);
-}
-
-at::Tensor bias_grad_with(const at::Tensor& grad_output, c10::string_view way) {
-  TORCH_CHECK_VALUE(grad_output.dim() == 4, "convbias._bias_grad: expected a 4-D grad_output, got ", grad_output.dim(), "-D");
-  if (way == "kernel") {
-    TORCH_CHECK_VALUE(
-        bias_grad_kernel_applies(grad_output),
-        "convbias._bias_grad: the kernel takes channels_last float/half/bfloat16/double grad_output with K a "
-        "multiple of 16 bytes and a 16-byte aligned base; got ", grad_output.scalar_type(), " of shape ",
-        grad_output.sizes(), " and strides ", grad_output.strides());
-    return bias_grad_channels_last(grad_output);
-  }
-  TORCH_CHECK_VALUE(way == "aten", "convbias._bias_grad: way must be 'kernel' or 'aten', got '", way, "'");
-  return aten_bias_grad(grad_output);
-}
-
 } // namespace convbias::cuda

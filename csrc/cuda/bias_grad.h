@@ -16,11 +16,12 @@ bool bias_grad_kernel_applies(const at::Tensor& grad_output);
 // deterministic (fixed reduction order). Requires bias_grad_kernel_applies(grad_output).
 at::Tensor bias_grad_channels_last(const at::Tensor& grad_output);
 
-// The bias gradient as param_grad computes it: by the kernel where it applies, unless
-// TORCH_CONVBIAS_BIAS_GRAD=aten, else by ATen's sum (FP32 accumulation, FP64 for double, rounded once).
+// The bias gradient as param_grad computes it (bias_grad_ways.cpp): by TORCH_CONVBIAS_BIAS_GRAD's way (kernel by
+// default; cudnn: the reduction graph of bias_reduction.h) where it applies, else by ATen's sum (FP32
+// accumulation, FP64 for double, rounded once).
 at::Tensor bias_grad(const at::Tensor& grad_output);
 
-// convbias::_bias_grad(grad_output, way): one way by name, "kernel" or "aten" (for benchmarks and tests).
+// convbias::_bias_grad(grad_output, way): one way by name, "kernel", "cudnn" or "aten" (benchmarks and tests).
 at::Tensor bias_grad_with(const at::Tensor& grad_output, c10::string_view way);
 
 } // namespace convbias::cuda

@@ -6,6 +6,7 @@
 
 #include "conv_args.h"
 #include "cuda/forward_setup.h"
+#include "cuda/bias_reduction.h"
 #include "cuda/wgrad.h"
 #include "json.h"
 
@@ -103,19 +104,24 @@ std::string explain_cuda(
 std::string plan_cache_stats() {
   // Forward and weight-gradient plans live in two caches of the same capacity (each); reported together.
   cuda::CacheStats s = cuda::fprop_cache().stats();
+  const cuda::CacheStats forward = s;
   const cuda::CacheStats w = cuda::wgrad_cache().stats();
-  s.hits += w.hits;
-  s.misses += w.misses;
-  s.evictions += w.evictions;
-  s.size += w.size;
-  s.build_seconds += w.build_seconds;
+  const cuda::CacheStats r = cuda::bias_reduction_cache_stats();
+  for (const cuda::CacheStats* other : {&w, &r}) {
+    s.hits += other->hits;
+    s.misses += other->misses;
+    s.evictions += other->evictions;
+    s.size += other->size;
+    s.build_seconds += other->build_seconds;
+  }
   return JsonObject()
       .num("hits", s.hits)
       .num("misses", s.misses)
       .num("evictions", s.evictions)
       .num("size", s.size)
-      .num("forward_plans", s.size - w.size)
+      .num("forward_plans", forward.size)
       .num("weight_grad_plans", w.size)
+      .num("bias_grad_plans", r.size)
       .num("capacity", s.capacity)
       .num("build_seconds", s.build_seconds)
       .dump();
@@ -124,6 +130,7 @@ std::string plan_cache_stats() {
 void plan_cache_clear() {
   cuda::fprop_cache().clear();
   cuda::wgrad_cache().clear();
+  cuda::bias_reduction_cache_clear();
 }
 
 TORCH_LIBRARY_IMPL(convbias, CUDA, m) {

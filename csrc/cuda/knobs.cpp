@@ -40,8 +40,8 @@ const Knobs& knobs() {
         "TORCH_CONVBIAS_PARAM_GRAD must be aten or cudnn, got '", result.param_grad, "'");
     result.bias_grad = env_or("TORCH_CONVBIAS_BIAS_GRAD", "kernel");
     TORCH_CHECK_VALUE(
-        result.bias_grad == "kernel" || result.bias_grad == "aten",
-        "TORCH_CONVBIAS_BIAS_GRAD must be kernel or aten, got '", result.bias_grad, "'");
+        result.bias_grad == "kernel" || result.bias_grad == "cudnn" || result.bias_grad == "aten",
+        "TORCH_CONVBIAS_BIAS_GRAD must be kernel, cudnn or aten, got '", result.bias_grad, "'");
     result.nchw = env_or("TORCH_CONVBIAS_NCHW", "auto");
     TORCH_CHECK_VALUE(
         result.nchw == "auto" || result.nchw == "graph" || result.nchw == "copy" || result.nchw == "aten",
@@ -49,10 +49,6 @@ const Knobs& knobs() {
     return result;
   }();
   return k;
-}
-
-const std::string& bias_grad_way() {
-  return knobs().bias_grad;
 }
 
 } // namespace convbias::cuda

@@ -12,12 +12,10 @@ struct Knobs {
   std::string path; // TORCH_CONVBIAS_PATH: auto | fused | unfused | aten
   std::string autotune; // TORCH_CONVBIAS_AUTOTUNE: auto | off | on
   std::string param_grad; // TORCH_CONVBIAS_PARAM_GRAD: cudnn (conv_wgrad graph, default) | aten
-  std::string bias_grad; // TORCH_CONVBIAS_BIAS_GRAD: kernel (ours, where it applies) | aten
+  std::string bias_grad; // TORCH_CONVBIAS_BIAS_GRAD: kernel (ours, where it applies) | cudnn (reduction graph) | aten
   std::string nchw; // TORCH_CONVBIAS_NCHW: auto (measure) | graph | copy | aten: how NCHW tensors run
 };
 const Knobs& knobs();
 
-// knobs().bias_grad, for translation units that do not include the cuDNN frontend.
-const std::string& bias_grad_way();
 
 } // namespace convbias::cuda

@@ -1,0 +1,127 @@
+#include "cuda/bias_reduction.h"
+
+#include <ATen/ATen.h>
+
+#include <limits>
+#include <sstream>
+
+#include "cuda/graph_common.h"
+#include "cuda/plan_cache.h"
+
+namespace convbias::cuda {
+namespace {
+
+constexpr int64_t kDY = 1, kDB = 2;
+
+struct ReductionPlan {
+  std::shared_ptr<fe::graph::Graph> graph; // null: no plan builds
+  EngineChoice engine;
+  std::string failure;
+};
+
+PlanCache<ReductionPlan>& cache() {
+  static PlanCache<ReductionPlan> plans(knobs().cache_size);
+  return plans;
+}
+
+std::array<int64_t, 4> dims_of(const at::Tensor& t) {
+  return {t.size(0), t.size(1), t.size(2), t.size(3)};
+}
+
+std::string describe(const at::Tensor& dy) {
+  std::ostringstream s;
+  s << "bias-gradient reduction graph for grad_output " << dy.sizes() << " (channels_last), " << dy.scalar_type();
+  return s.str();
+}
+
+// db[1, K, 1, 1] (FLOAT) = sum of dy over N, H, W.
+std::shared_ptr<fe::graph::Graph> make_graph(const at::Tensor& dy, cudnnHandle_t handle, std::string* why) {
+  auto graph = new_graph(dy.scalar_type());
+  const auto dims = dims_of(dy);
+  const int64_t k = dims[1];
+  auto input = packed_tensor(*graph, "dy", kDY, dims, /*channels_last=*/true, pointer_alignment(dy));
+  auto db = graph->reduction(
+      input,
+      fe::graph::Reduction_attributes()
+          .set_name("bias_grad")
+          .set_mode(fe::ReductionMode_t::ADD)
+          .set_compute_data_type(fe::DataType_t::FLOAT));
+  db->set_output(true).set_uid(kDB).set_data_type(fe::DataType_t::FLOAT).set_dim({1, k, 1, 1}).set_stride({k, 1, k, k});
+  return finalize_graph(*graph, handle, why) ? graph : nullptr;
+}
+
+PlanKey key_of(const at::Tensor& dy, const MathFlags& flags) {
+  PlanKey key;
+  key.fields = {3, // graph kind: bias-gradient reduction
+                static_cast<int64_t>(dy.scalar_type()),
+                dy.device().index(),
+                dy.size(0),
+                dy.size(1),
+                dy.size(2),
+                dy.size(3),
+                pointer_alignment(dy),
+                flags.deterministic,
+                flags.benchmark};
+  return key;
+}
+
+std::shared_ptr<const ReductionPlan> plan_for(const at::Tensor& dy) {
+  const MathFlags flags = current_math_flags();
+  return cache().get_or_build(key_of(dy, flags), [&] {
+    auto plan = std::make_shared<ReductionPlan>();
+    SelectionPolicy policy = default_policy(dy.scalar_type(), flags);
+    // The one engine that takes the graph notes TENSOR_CORE; for a reduction that is not TF32 rounding.
+    policy.float32_io = false;
+    const at::Tensor db = at::empty({dy.size(1)}, dy.options().dtype(at::kFloat));
+    GraphAttempt attempt = build_graph_plan(
+        [&](cudnnHandle_t handle, std::string* why) { return make_graph(dy, handle, why); }, policy,
+        VariantPack{{kDY, dy.data_ptr()}, {kDB, db.data_ptr()}}, dy.device(), [&] { return describe(dy); });
+    plan->graph = attempt.graph;
+    plan->engine = attempt.engine;
+    plan->failure = attempt.failure;
+    return plan;
+  }, nullptr);
+}
+
+} // namespace
+
+bool bias_reduction_applies(const at::Tensor& grad_output) {
+  const auto dtype = grad_output.scalar_type();
+  return grad_output.dim() == 4 && grad_output.is_cuda() && grad_output.numel() > 0 &&
+      grad_output.is_contiguous(at::MemoryFormat::ChannelsLast) && pointer_alignment(grad_output) >= 16 &&
+      (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) &&
+      grad_output.numel() <= std::numeric_limits<int32_t>::max();
+}
+
+std::optional<at::Tensor> bias_grad_cudnn(const at::Tensor& grad_output) {
+  TORCH_INTERNAL_ASSERT(bias_reduction_applies(grad_output));
+  const auto plan = plan_for(grad_output);
+  if (!plan->graph) {
+    return std::nullopt;
+  }
+  at::Tensor db = at::empty({grad_output.size(1)}, grad_output.options().dtype(at::kFloat));
+  VariantPack pack{{kDY, grad_output.data_ptr()}, {kDB, db.data_ptr()}};
+  const int64_t workspace_bytes = plan->engine.workspace_bytes;
+  at::Tensor workspace;
+  if (workspace_bytes > 0) {
+    workspace = at::empty({workspace_bytes}, grad_output.options().dtype(at::kByte));
+  }
+  execute_graph(*plan->graph, plan->engine.plan_index, workspace_bytes > 0 ? workspace.data_ptr() : nullptr, pack,
+                [&] { return describe(grad_output); });
+  return db.to(grad_output.scalar_type());
+}
+
+std::string bias_reduction_failure(const at::Tensor& grad_output) {
+  const auto plan = plan_for(grad_output);
+  return plan->failure;
+}
+
+CacheStats bias_reduction_cache_stats() {
+  return cache().stats();
+}
+
+void bias_reduction_cache_clear() {
+  cache().clear();
+}
+
+} // namespace convbias::cuda
