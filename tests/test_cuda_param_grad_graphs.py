@@ -129,6 +129,8 @@ def test_bias_grad_kernel_refuses_what_it_cannot_take() -> None:
     odd = torch.randn(2, 6, 4, 4, device="cuda").contiguous(memory_format=torch.channels_last)  # K*4 bytes % 16 != 0
     with pytest.raises(ValueError, match="multiple of 16 bytes"):
         torch.ops.convbias._bias_grad(odd, "kernel")
+    with pytest.raises(ValueError, match="expected a 4-D grad_output, got 3-D"):
+        torch.ops.convbias._bias_grad(nchw[0], "aten")
     with pytest.raises(ValueError, match="way must be 'kernel', 'cudnn' or 'aten', got 'fast'"):
         torch.ops.convbias._bias_grad(odd, "fast")
     # param_grad still gives the right bias gradient for both (through ATen's sum).

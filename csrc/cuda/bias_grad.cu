@@ -5,7 +5,6 @@
 // sums in a fixed order, and a second tiny pass adds the bands in a fixed order, so the result is bitwise
 // repeatable (deterministic) without atomics.
 #include "cuda/bias_grad.h"
-#include "cuda/knobs.h"
 #include "cuda/timing.h"
 
 #include <ATen/ATen.h>
@@ -204,7 +203,7 @@ constexpr LaunchConfig kDefaultConfig = {4, 4};
 constexpr std::array<LaunchConfig, 6> kCandidateConfigs = {{{1, 8}, {2, 4}, {2, 8}, {4, 4}, {4, 8}, {8, 4}}};
 
 LaunchConfig config_for(const at::Tensor& grad_output) {
-  if (at::globalContext().deterministicAlgorithms() || knobs().autotune == "off" || stream_is_capturing()) {
+  if (at::globalContext().deterministicAlgorithms()) {
     return kDefaultConfig;
   }
   const int64_t columns = grad_output.size(1);
@@ -218,6 +217,10 @@ LaunchConfig config_for(const at::Tensor& grad_output) {
     if (auto it = tuned.find(key); it != tuned.end()) {
       return it->second;
     }
+  }
+  // Only a shape not seen yet asks whether timing is allowed (a stream query): the hot path is the lookup above.
+  if (!timing_allowed()) {
+    return kDefaultConfig;
   }
   LaunchConfig best = kDefaultConfig;
   float best_ms = std::numeric_limits<float>::infinity();

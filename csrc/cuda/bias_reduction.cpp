@@ -101,13 +101,7 @@ std::optional<at::Tensor> bias_grad_cudnn(const at::Tensor& grad_output) {
   }
   at::Tensor db = at::empty({grad_output.size(1)}, grad_output.options().dtype(at::kFloat));
   VariantPack pack{{kDY, grad_output.data_ptr()}, {kDB, db.data_ptr()}};
-  const int64_t workspace_bytes = plan->engine.workspace_bytes;
-  at::Tensor workspace;
-  if (workspace_bytes > 0) {
-    workspace = at::empty({workspace_bytes}, grad_output.options().dtype(at::kByte));
-  }
-  execute_graph(*plan->graph, plan->engine.plan_index, workspace_bytes > 0 ? workspace.data_ptr() : nullptr, pack,
-                [&] { return describe(grad_output); });
+  execute_plan(*plan->graph, plan->engine, pack, grad_output.options(), [&] { return describe(grad_output); });
   return db.to(grad_output.scalar_type());
 }
 

@@ -132,7 +132,9 @@ std::shared_ptr<FpropPlan> build_graph_path(
   const bool fused_ok = fused && fused->failure.empty();
   // Conv alone (then a bias add): needed without bias, when the fused graph failed, when forced, and when
   // measuring whether fusion pays for this key.
-  const bool measure_both = fused_ok && exhaustive_tuning(p.flags) && k.path == "auto";
+  // cudnn.benchmark (or AUTOTUNE=on) without a forced path: every alternative is measured.
+  const bool exhaustive = exhaustive_tuning(p.flags) && k.path == "auto";
+  const bool measure_both = fused_ok && exhaustive;
   std::optional<GraphAttempt> unfused;
   if (!fused_ok || measure_both) {
     unfused = attempt(p, /*with_bias=*/false, policy, x, w, b, y);
@@ -178,7 +180,7 @@ std::shared_ptr<FpropPlan> build_graph_path(
     plan->path = FpropPath::Aten;
     plan->notes.push_back("no cuDNN graph builds for this problem; running ATen's convolution. Hint: " + layout_hint(p));
   }
-  if (plan->path != FpropPath::Aten && p.channels_last && exhaustive_tuning(p.flags) && k.path == "auto") {
+  if (plan->path != FpropPath::Aten && p.channels_last && exhaustive) {
     // Under cudnn.benchmark, nn.Conv2d's own path (ATen's convolution, then its bias add) is measured too: on
     // strict fp32 the graph's best engine is often the one ATen uses, and where ATen is faster it is taken, so
     // this op is never slower than nn.Conv2d for the key.
@@ -249,7 +251,7 @@ std::shared_ptr<const FpropPlan> build_nchw_plan(
   if (!native_ok && !via_cl_ok) {
     return aten_plan(native->notes, "no cuDNN graph builds for this problem, in NCHW or channels_last");
   }
-  if (stream_is_capturing() || k.autotune == "off") {
+  if (!timing_allowed()) {
     return native_ok ? native : via_cl_plan();
   }
 
@@ -388,12 +390,9 @@ at::Tensor run_fprop(
   const bool fused_bias = plan.path == FpropPath::Fused;
   at::Tensor y = new_output(problem, x);
   auto pack = variant_pack(x, w, b, y, fused_bias);
-  const int64_t workspace_bytes = plan.engine.workspace_bytes;
-  at::Tensor workspace;
-  if (workspace_bytes > 0) {
-    workspace = at::empty({workspace_bytes}, x.options().dtype(at::kByte));
-  }
-  execute(*plan.graph, plan.engine.plan_index, workspace_bytes > 0 ? workspace.data_ptr() : nullptr, pack, problem, fused_bias);
+  execute_plan(*plan.graph, plan.engine, pack, x.options(), [&] {
+    return std::string(graph_name(fused_bias)) + " for " + problem.describe();
+  });
   if (plan.path == FpropPath::ConvThenBiasAdd) {
     y.add_(b->view({1, -1, 1, 1}));
   }

@@ -267,6 +267,19 @@ void execute_graph(
   }
 }
 
+void execute_plan(
+    fe::graph::Graph& graph,
+    const EngineChoice& engine,
+    VariantPack& pack,
+    const at::TensorOptions& options,
+    const std::function<std::string()>& what) {
+  at::Tensor workspace;
+  if (engine.workspace_bytes > 0) {
+    workspace = at::empty({engine.workspace_bytes}, options.dtype(at::kByte));
+  }
+  execute_graph(graph, engine.plan_index, workspace.defined() ? workspace.data_ptr() : nullptr, pack, what);
+}
+
 GraphAttempt build_graph_plan(
     const std::function<std::shared_ptr<fe::graph::Graph>(cudnnHandle_t, std::string*)>& make,
     const SelectionPolicy& policy,
@@ -345,15 +358,19 @@ bool finalize_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string* 
   return true;
 }
 
+bool timing_allowed() {
+  return knobs().autotune != "off" && !stream_is_capturing();
+}
+
 bool exhaustive_tuning(const MathFlags& flags) {
   const auto& k = knobs();
-  return !stream_is_capturing() && (k.autotune == "on" || (k.autotune == "auto" && flags.benchmark));
+  return (k.autotune == "on" || (k.autotune == "auto" && flags.benchmark)) && timing_allowed();
 }
 
 SelectionPolicy default_policy(at::ScalarType dtype, const MathFlags& flags) {
   const auto& k = knobs();
   const bool capturing = stream_is_capturing();
-  const bool untimed = capturing || k.autotune == "off";
+  const bool untimed = capturing || k.autotune == "off"; // !timing_allowed(), without asking the stream twice
   return SelectionPolicy{
       /*float32_io=*/dtype == at::kFloat,
       flags,

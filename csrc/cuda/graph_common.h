@@ -148,6 +148,15 @@ void execute_graph(
     VariantPack& pack,
     const std::function<std::string()>& what);
 
+// Runs `engine`'s plan of `graph` like execute_graph, with a workspace of the plan's size from the caching
+// allocator (none when the plan needs none): what every per-call execution does.
+void execute_plan(
+    fe::graph::Graph& graph,
+    const EngineChoice& engine,
+    VariantPack& pack,
+    const at::TensorOptions& options,
+    const std::function<std::string()>& what);
+
 // Throws a c10::Error describing `what` (which graph, its shapes) with the frontend's and cuDNN's messages.
 [[noreturn]] void throw_graph_error(const std::string& what, fe::error_t status, const std::string& hint);
 

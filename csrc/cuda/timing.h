@@ -16,4 +16,8 @@ float time_on_stream(
 // Whether the current stream is capturing a CUDA graph (no synchronisation, no timing allowed then).
 bool stream_is_capturing();
 
+// Whether candidates may be timed now: not during CUDA graph capture, and not with TORCH_CONVBIAS_AUTOTUNE=off.
+// The one rule for every choice made by measurement (engines, paths, layouts, kernel launch configurations).
+bool timing_allowed();
+
 } // namespace convbias::cuda

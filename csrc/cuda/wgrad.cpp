@@ -32,7 +32,6 @@ std::shared_ptr<const WgradPlan> build_plan(
     const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw) {
   auto plan = std::make_shared<WgradPlan>();
   const SelectionPolicy policy = default_policy(p.dtype, p.flags);
-  plan->tuned = policy.time_candidates && policy.max_candidates > 1;
   GraphAttempt attempt = build_graph_plan(
       [&](cudnnHandle_t handle, std::string* why) { return make_graph(p, handle, why); }, policy,
       variant_pack(x, dy, dw), x.device(), [&] { return "conv_wgrad graph for " + p.describe(); });
@@ -127,12 +126,7 @@ std::optional<at::Tensor> weight_grad(
     return std::nullopt;
   }
   VariantPack pack = variant_pack(x, dy, dw);
-  const int64_t workspace_bytes = plan->engine.workspace_bytes;
-  at::Tensor workspace;
-  if (workspace_bytes > 0) {
-    workspace = at::empty({workspace_bytes}, x.options().dtype(at::kByte));
-  }
-  execute_graph(*plan->graph, plan->engine.plan_index, workspace_bytes > 0 ? workspace.data_ptr() : nullptr, pack, [&] {
+  execute_plan(*plan->graph, plan->engine, pack, x.options(), [&] {
     return "conv_wgrad graph for " + p.describe();
   });
   return dw.contiguous(is_channels_last(weight) ? cl : at::MemoryFormat::Contiguous);

@@ -30,7 +30,6 @@ struct WgradProblem {
 struct WgradPlan {
   std::shared_ptr<fe::graph::Graph> graph; // null: no graph builds, the caller runs ATen
   EngineChoice engine;
-  bool tuned = false;
   float graph_ms = -1; // measured, when timing was allowed: the chosen graph plan ...
   float aten_ms = -1; // ... and ATen's weight gradient; the faster one is kept
   std::vector<std::string> notes;
