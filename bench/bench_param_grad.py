@@ -96,6 +96,7 @@ ROW_FIELDS = (
     "grad_weight_channels_last",
     "first_call_ms",
     "plan_cache",
+    "explain",
 )
 
 TABLE: list[tuple[str, str, str]] = [
@@ -115,6 +116,8 @@ TABLE: list[tuple[str, str, str]] = [
     ("1st_ms", "first_call_ms", ".1f"),
     ("num", "numerics", ""),
     ("status", "status", ""),
+    ("wgrad", "wgrad", ""),
+    ("bias_way", "bias_way", ""),
 ]
 
 
@@ -264,6 +267,32 @@ def check(problem: Problem, ours: tuple[torch.Tensor, torch.Tensor], mode: Mode)
     )
 
 
+def explain(problem: Problem) -> dict[str, Any] | None:
+    """torch_convbias.explain_param_grad() for the problem (weight-gradient path, engine, graph_ms / aten_ms, bias
+    way and launch), None where the API is absent, {"error": ...} where it fails."""
+    fn = getattr(torch_convbias, "explain_param_grad", None)
+    if fn is None:
+        return None
+    try:
+        return fn(problem.grad_output, problem.x, problem.w, problem.stride, problem.padding, problem.dilation)
+    except Exception as error:  # noqa: BLE001 - recorded in the row, the timings still run
+        return {"error": short_error(error)}
+
+
+def display_explain(row: dict[str, Any]) -> dict[str, Any]:
+    """The table's wgrad column (path, and graph / ATen ms where both were measured) and bias_way column."""
+    info = row.get("explain") or {}
+    weight_grad, bias_grad = info.get("weight_grad") or {}, info.get("bias_grad") or {}
+    wgrad = weight_grad.get("path") or info.get("error")
+    if weight_grad.get("graph_ms", -1) > 0 and weight_grad.get("aten_ms", -1) > 0:
+        wgrad = f"{wgrad} ({weight_grad['graph_ms']:.3f} vs aten {weight_grad['aten_ms']:.3f})"
+    launch = bias_grad.get("launch")
+    bias_way = bias_grad.get("way")
+    if launch:
+        bias_way = f"{bias_way} {launch['blocks_per_sm']}x{launch['loads_in_flight']}"
+    return {"wgrad": wgrad, "bias_way": bias_way}
+
+
 def measure(
     shape: harness.Shape, mode: Mode, device: str, warmup: int, iters: int, seed: int, copy_gbps: float | None
 ) -> dict[str, Any]:
@@ -271,6 +300,7 @@ def measure(
     problem = make_problem(shape, mode, device, seed)
     variants = problem.variants()
     cold, grads = harness.cold_call(variants["ours"], device)
+    info = explain(problem)
     errors: dict[str, str] = {}
     numerics = None
     channels_last = None
@@ -294,6 +324,7 @@ def measure(
         "numerics": numerics,
         "first_call_ms": cold.get("first_call_ms"),
         "plan_cache": cold,
+        "explain": info,
     }
 
 
@@ -345,6 +376,7 @@ SPEC = harness.Spec(
     targets=TARGETS,
     row_fields=ROW_FIELDS,
     table=TABLE,
+    display_extra=display_explain,
     legend=(
         "speedup: torch / ours; vs_autograd: torch_autograd / ours; autograd: torch_autograd / ours_autograd; "
         "bias/copy: bias-grad read bandwidth / copy bandwidth"

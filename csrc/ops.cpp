@@ -20,6 +20,11 @@ TORCH_LIBRARY(convbias, m) {
   m.def(
       "_explain(Tensor input, Tensor weight, Tensor? bias, int[2] stride, int[2] padding, int[2] dilation, "
       "int groups) -> str");
+  // The way param_grad computes the weight and bias gradients for these arguments, as JSON (graph or ATen and why,
+  // engine, timings; the bias gradient's way and launch configuration). Builds and caches plans as param_grad would.
+  m.def(
+      "_explain_param_grad(Tensor grad_output, Tensor input, Tensor weight, int[2] stride, int[2] padding, "
+      "int[2] dilation, int groups) -> str");
   // The bias gradient one way by name ("kernel": ours; "aten": ATen's sum), for benchmarks and tests (CUDA only).
   m.def("_bias_grad(Tensor grad_output, str way) -> Tensor");
   m.def("_plan_cache_stats() -> str", &convbias::plan_cache_stats);

@@ -83,7 +83,10 @@ def test_param_grad_matches_autograd(way: str) -> None:
         assert report["cache"]["weight_grad_plans"] == 0, report
 
 
-BIAS_SHAPES = [(2, 8, 5, 5), (64, 64, 32, 32), (3, 24, 7, 9), (1, 2048, 3, 3), (5, 40, 1, 1), (1024, 16, 4, 4)]
+# Many bands to fold (4096 x 24 rows of 8 x 8), columns that fill no whole fold block (24, 40), wide rows (2048).
+BIAS_SHAPES = [
+    (2, 8, 5, 5), (64, 64, 32, 32), (3, 24, 7, 9), (1, 2048, 3, 3), (5, 40, 1, 1), (1024, 16, 4, 4), (4096, 24, 8, 8),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
@@ -118,6 +121,48 @@ def test_bias_grad_cudnn_reduction_matches_float64(dtype: torch.dtype, shape: tu
     tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * scale)
     assert torch_convbias.cache_info()["bias_grad_plans"] >= 1
+
+
+def test_explain_param_grad_reports_the_paths_param_grad_takes() -> None:
+    cl = torch.channels_last
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 16, 12, 12, generator=g).cuda().contiguous(memory_format=cl)
+    w = torch.randn(32, 16, 3, 3, generator=g).cuda().contiguous(memory_format=cl)
+    dy = torch.randn(8, 32, 12, 12, generator=g).cuda().contiguous(memory_format=cl)
+    torch_convbias.cache_clear()
+    info = torch_convbias.explain_param_grad(dy, x, w, padding=1)
+    weight_grad, bias_grad = info["weight_grad"], info["bias_grad"]
+    assert weight_grad["path"] in ("cudnn graph", "aten"), info
+    assert weight_grad["problem"].startswith("input [8, 16, 12, 12], grad_output [8, 32, 12, 12]"), info
+    assert weight_grad["cached"] is False and weight_grad["plan_build_seconds"] > 0, info
+    if weight_grad["path"] == "cudnn graph":
+        assert weight_grad["engine"]["name"].startswith("eng"), info
+    else:
+        assert weight_grad["notes"] and "ATen" in " ".join(weight_grad["notes"]), info
+    # explain built the very plan param_grad then uses: cached, and no new plan built by the call.
+    assert torch_convbias.explain_param_grad(dy, x, w, padding=1)["weight_grad"]["cached"] is True
+    misses = torch_convbias.cache_info()["misses"]
+    grad_weight, grad_bias = torch.ops.convbias.param_grad(dy, x, w, [1, 1], [1, 1], [1, 1], 1, [True, True])
+    assert torch_convbias.cache_info()["misses"] == misses
+    w_ref = w.detach().clone().requires_grad_()
+    b_ref = torch.zeros(32, device="cuda", requires_grad=True)
+    with torch.backends.cudnn.flags(allow_tf32=False):
+        torch.nn.functional.conv2d(x, w_ref, b_ref, padding=1).backward(dy)
+    torch.testing.assert_close(grad_bias, b_ref.grad, rtol=1e-5, atol=1e-4)
+    assert bias_grad["way"] == "kernel" and bias_grad["notes"] == [], info
+    assert bias_grad["launch"]["blocks_per_sm"] in (1, 2, 4, 8) and bias_grad["launch"]["loads_in_flight"] in (4, 8)
+    # Under torch.use_deterministic_algorithms the kernel's launch configuration is the fixed default, untimed.
+    torch.use_deterministic_algorithms(True)
+    try:
+        launch = torch_convbias.explain_param_grad(dy, x, w, padding=1)["bias_grad"]["launch"]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert launch == {"blocks_per_sm": 4, "loads_in_flight": 4, "timed": False}
+    # NCHW tensors: ATen for both, and why.
+    nchw = torch_convbias.explain_param_grad(dy.contiguous(), x.contiguous(), w.contiguous(), padding=1)
+    assert nchw["weight_grad"]["path"] == "aten" and "NCHW" in nchw["weight_grad"]["notes"][0], nchw
+    assert nchw["bias_grad"]["way"] == "aten" and "channels_last" in nchw["bias_grad"]["notes"][0], nchw
+    assert nchw["math"]["allow_tf32"] == torch.backends.cudnn.allow_tf32
 
 
 def test_bias_grad_kernel_refuses_what_it_cannot_take() -> None:

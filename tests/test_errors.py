@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import cuda
 
+import torch_convbias
 from torch_convbias import conv_bias2d
 
 Args = dict[str, Any]
@@ -98,6 +99,22 @@ def test_param_grad_errors_eager_and_fake_agree(change, error, pattern) -> None:
             torch.ops.convbias.param_grad(*a.values())
         messages.append(str(info.value).splitlines()[0])
     assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("change,error,pattern", [pytest.param(*e[1:], id=e[0]) for e in PARAM_GRAD_ERRORS])
+def test_explain_param_grad_checks_like_param_grad(change, error, pattern) -> None:  # type: ignore[no-untyped-def]
+    a = change(param_grad_args("cpu"))
+    del a["output_mask"]
+    with pytest.raises(error, match=pattern):
+        torch_convbias.explain_param_grad(*a.values())
+
+
+def test_explain_param_grad_on_cpu_says_aten() -> None:
+    a = param_grad_args("cpu")
+    del a["output_mask"]
+    info = torch_convbias.explain_param_grad(*a.values())
+    assert info["weight_grad"]["path"] == "aten" and info["bias_grad"]["way"] == "aten", info
+    assert "CPU tensors run ATen" in info["weight_grad"]["notes"][0]
 
 
 @cuda

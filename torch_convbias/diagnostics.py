@@ -57,6 +57,39 @@ def explain(
     )
 
 
+def explain_param_grad(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+) -> dict[str, Any]:
+    """How ``torch.ops.convbias.param_grad`` computes the weight and bias gradients for these arguments.
+
+    ``padding`` is numeric here (the backward of ``padding='same'`` sees the resolved padding). Keys:
+    ``weight_grad``: ``path`` (``cudnn graph``: a cuDNN conv_wgrad graph; ``aten``: ATen's weight gradient,
+    nn.Conv2d's own) with ``notes`` saying why, and for channels_last tensors ``problem``, ``cached``,
+    ``plan_build_seconds``, ``graph_ms`` / ``aten_ms`` (both measured once per key when timing is allowed, the
+    faster kept; -1 when not measured) and ``engine`` as in :func:`explain`. ``bias_grad``: ``way`` (``kernel``:
+    ours; ``cudnn``: a reduction graph; ``aten``: ATen's sum), ``notes`` and, for the kernel, ``launch``
+    (``blocks_per_sm``, ``loads_in_flight``, ``timed``). ``math``: the flags that select engines. Builds and caches
+    plans exactly as the call would; on CUDA that may run the gradients a few times to time candidates.
+    """
+    return json.loads(
+        torch.ops.convbias._explain_param_grad(
+            grad_output,
+            input,
+            weight,
+            _pair("stride", stride),
+            _pair("padding", padding),
+            _pair("dilation", dilation),
+            groups,
+        )
+    )
+
+
 def cache_info() -> dict[str, float]:
     """Plan cache statistics: hits, misses, evictions, size (= forward_plans + weight_grad_plans +
     bias_grad_plans), capacity (TORCH_CONVBIAS_CACHE_SIZE, per kind of plan), and build_seconds (time spent

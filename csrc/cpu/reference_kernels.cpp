@@ -64,10 +64,27 @@ std::string explain_cpu(
   return JsonObject().str("path", "aten").strings("notes", {"CPU tensors run ATen's convolution (the reference path)"}).dump();
 }
 
+std::string explain_param_grad_cpu(
+    const at::Tensor& grad_output,
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups) {
+  check_param_grad_args(grad_output, input, weight, stride, padding, dilation, groups);
+  const std::string why = "CPU tensors run ATen's convolution backward (the reference path)";
+  return JsonObject()
+      .raw("weight_grad", JsonObject().str("path", "aten").strings("notes", {why}).dump())
+      .raw("bias_grad", JsonObject().str("way", "aten").strings("notes", {why}).dump())
+      .dump();
+}
+
 TORCH_LIBRARY_IMPL(convbias, CPU, m) {
   m.impl("forward", &forward_reference);
   m.impl("param_grad", &param_grad_reference);
   m.impl("_explain", &explain_cpu);
+  m.impl("_explain_param_grad", &explain_param_grad_cpu);
 }
 
 } // namespace convbias

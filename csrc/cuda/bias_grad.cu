@@ -18,6 +18,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <utility>
 
 namespace convbias::cuda {
 namespace {
@@ -233,9 +234,10 @@ at::Tensor launch_for(const at::Tensor& grad_output, LaunchConfig config) {
 constexpr LaunchConfig kDefaultConfig = {4, 4};
 constexpr std::array<LaunchConfig, 6> kCandidateConfigs = {{{1, 8}, {2, 4}, {2, 8}, {4, 4}, {4, 8}, {8, 4}}};
 
-LaunchConfig config_for(const at::Tensor& grad_output) {
+// The configuration for grad_output and whether it was measured (false: the default, untimed).
+std::pair<LaunchConfig, bool> config_for(const at::Tensor& grad_output) {
   if (at::globalContext().deterministicAlgorithms()) {
-    return kDefaultConfig;
+    return {kDefaultConfig, false};
   }
   const int64_t columns = grad_output.size(1);
   const std::array<int64_t, 4> key = {
@@ -246,12 +248,12 @@ LaunchConfig config_for(const at::Tensor& grad_output) {
   {
     const std::lock_guard<std::mutex> lock(mutex);
     if (auto it = tuned.find(key); it != tuned.end()) {
-      return it->second;
+      return {it->second, true};
     }
   }
   // Only a shape not seen yet asks whether timing is allowed (a stream query): the hot path is the lookup above.
   if (!timing_allowed()) {
-    return kDefaultConfig;
+    return {kDefaultConfig, false};
   }
   LaunchConfig best = kDefaultConfig;
   float best_ms = std::numeric_limits<float>::infinity();
@@ -267,7 +269,7 @@ LaunchConfig config_for(const at::Tensor& grad_output) {
   if (tuned.size() >= 4096) {
     tuned.clear();
   }
-  return tuned.emplace(key, best).first->second;
+  return {tuned.emplace(key, best).first->second, true};
 }
 
 } // namespace
@@ -275,7 +277,14 @@ LaunchConfig config_for(const at::Tensor& grad_output) {
 at::Tensor bias_grad_channels_last(const at::Tensor& grad_output) {
   TORCH_INTERNAL_ASSERT(bias_grad_kernel_applies(grad_output));
   const c10::cuda::CUDAGuard guard(grad_output.device());
-  return launch_for(grad_output, config_for(grad_output));
+  return launch_for(grad_output, config_for(grad_output).first);
+}
+
+BiasKernelLaunch bias_grad_kernel_launch(const at::Tensor& grad_output) {
+  TORCH_INTERNAL_ASSERT(bias_grad_kernel_applies(grad_output));
+  const c10::cuda::CUDAGuard guard(grad_output.device());
+  const auto [config, timed] = config_for(grad_output);
+  return {config.blocks_per_sm, config.unroll, timed};
 }
 
 } // namespace convbias::cuda

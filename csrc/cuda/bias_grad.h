@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <string>
+#include <vector>
 
 namespace convbias::cuda {
 
@@ -15,6 +16,22 @@ bool bias_grad_kernel_applies(const at::Tensor& grad_output);
 // grad_output.sum((0, 2, 3)) with FP32 (FP64 for double) accumulation, rounded once to grad_output's dtype;
 // deterministic (fixed reduction order). Requires bias_grad_kernel_applies(grad_output).
 at::Tensor bias_grad_channels_last(const at::Tensor& grad_output);
+
+// The kernel's launch configuration for grad_output, as a call would use it: timed once per (device, dtype,
+// rows, K) among a few where timing is allowed, else the default (`timed` false).
+struct BiasKernelLaunch {
+  int blocks_per_sm;
+  int loads_in_flight;
+  bool timed;
+};
+BiasKernelLaunch bias_grad_kernel_launch(const at::Tensor& grad_output);
+
+// Which way param_grad computes the bias gradient of grad_output ("kernel", "cudnn" or "aten"), and why.
+struct BiasGradWay {
+  std::string way;
+  std::vector<std::string> notes;
+};
+BiasGradWay bias_grad_way(const at::Tensor& grad_output);
 
 // The bias gradient as param_grad computes it (bias_grad_ways.cpp): by TORCH_CONVBIAS_BIAS_GRAD's way (kernel by
 // default; cudnn: the reduction graph of bias_reduction.h) where it applies, else by ATen's sum (FP32

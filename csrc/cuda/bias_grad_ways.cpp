@@ -16,6 +16,31 @@ at::Tensor aten_bias_grad(const at::Tensor& grad_output) {
 
 } // namespace
 
+BiasGradWay bias_grad_way(const at::Tensor& grad_output) {
+  const std::string& way = knobs().bias_grad;
+  BiasGradWay choice{"aten", {}};
+  if (way == "kernel") {
+    if (bias_grad_kernel_applies(grad_output)) {
+      return {"kernel", {}};
+    }
+    choice.notes.push_back(
+        "our kernel takes channels_last grad_output with K a multiple of 16 bytes on a 16-byte aligned base");
+  } else if (way == "cudnn") {
+    if (bias_reduction_applies(grad_output)) {
+      if (bias_grad_cudnn(grad_output)) {
+        return {"cudnn", {}};
+      }
+      choice.notes.push_back("no cuDNN reduction plan builds: " + bias_reduction_failure(grad_output));
+    } else {
+      choice.notes.push_back(
+          "the cuDNN reduction graph takes channels_last float/half/bfloat16 grad_output on a 16-byte aligned base");
+    }
+  } else {
+    choice.notes.push_back("TORCH_CONVBIAS_BIAS_GRAD=" + way);
+  }
+  return choice;
+}
+
 at::Tensor bias_grad(const at::Tensor& grad_output) {
   const std::string& way = knobs().bias_grad;
   if (way == "kernel" && bias_grad_kernel_applies(grad_output)) {

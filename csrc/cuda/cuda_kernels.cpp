@@ -48,16 +48,10 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_cuda
   const c10::cuda::CUDAGuard device_guard(input.device());
   std::optional<at::Tensor> grad_weight, grad_bias;
   if (output_mask[0]) {
-    // The conv_wgrad graph takes channels_last dy and x. NCHW tensors go to ATen (nn.Conv2d's own path) rather
-    // than through full-size channels_last copies that nn.Conv2d's backward would not make.
-    constexpr auto cl = at::MemoryFormat::ChannelsLast;
-    const bool channels_last = output_memory_format(input, weight) == cl;
-    if (cuda::knobs().param_grad == "cudnn" && channels_last && !cuda::aten_only_reason(input, weight)) {
-      const at::Tensor dy = cuda::aligned_for_cudnn(grad_output.contiguous(cl), cl);
-      const at::Tensor x = cuda::aligned_for_cudnn(input.contiguous(cl), cl);
-      grad_weight = cuda::weight_grad(dy, x, weight, params);
-    }
-    if (!grad_weight) {
+    const cuda::WeightGradRoute route = cuda::route_weight_grad(grad_output, input, weight, params);
+    if (route.runs_graph()) {
+      grad_weight = cuda::run_weight_grad(route, weight);
+    } else {
       grad_weight = std::get<0>(
           param_grad_reference(grad_output, input, weight, stride, padding, dilation, groups, {true, false}));
     }

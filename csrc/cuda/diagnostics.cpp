@@ -6,6 +6,7 @@
 
 #include "conv_args.h"
 #include "cuda/forward_setup.h"
+#include "cuda/bias_grad.h"
 #include "cuda/bias_reduction.h"
 #include "cuda/wgrad.h"
 #include "json.h"
@@ -51,6 +52,62 @@ std::string engine_json(const cuda::EngineChoice& e) {
       .dump();
 }
 
+std::string math_json() {
+  const cuda::MathFlags flags = cuda::current_math_flags();
+  return JsonObject()
+      .boolean("allow_tf32", flags.allow_tf32)
+      .boolean("deterministic", flags.deterministic)
+      .boolean("benchmark", flags.benchmark)
+      .dump();
+}
+
+std::string explain_param_grad_cuda(
+    const at::Tensor& grad_output,
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups) {
+  const ConvParams params = check_param_grad_args(grad_output, input, weight, stride, padding, dilation, groups);
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  JsonObject weight_grad;
+  const cuda::WeightGradRoute route = cuda::route_weight_grad(grad_output, input, weight, params);
+  if (route.aten_reason) {
+    weight_grad.str("path", "aten").strings("notes", {*route.aten_reason});
+  } else {
+    const cuda::WgradPlan& plan = *route.plan;
+    weight_grad.str("path", route.runs_graph() ? "cudnn graph" : "aten")
+        .str("problem", route.problem.describe())
+        .boolean("cached", route.was_cached)
+        .num("plan_build_seconds", route.build_seconds)
+        .num("graph_ms", plan.graph_ms)
+        .num("aten_ms", plan.aten_ms)
+        .strings("notes", plan.notes);
+    if (plan.graph) {
+      weight_grad.raw("engine", engine_json(plan.engine));
+    }
+  }
+  const cuda::BiasGradWay way = cuda::bias_grad_way(grad_output);
+  JsonObject bias_grad;
+  bias_grad.str("way", way.way).strings("notes", way.notes);
+  if (way.way == "kernel") {
+    const cuda::BiasKernelLaunch launch = cuda::bias_grad_kernel_launch(grad_output);
+    bias_grad.raw(
+        "launch",
+        JsonObject()
+            .num("blocks_per_sm", launch.blocks_per_sm)
+            .num("loads_in_flight", launch.loads_in_flight)
+            .boolean("timed", launch.timed)
+            .dump());
+  }
+  return JsonObject()
+      .raw("math", math_json())
+      .raw("weight_grad", weight_grad.dump())
+      .raw("bias_grad", bias_grad.dump())
+      .dump();
+}
+
 std::string explain_cuda(
     const at::Tensor& input,
     const at::Tensor& weight,
@@ -62,14 +119,7 @@ std::string explain_cuda(
   const ConvParams params = check_forward_args(input, weight, bias, stride, padding, dilation, groups);
   const c10::cuda::CUDAGuard device_guard(input.device());
   JsonObject out;
-  const cuda::MathFlags flags = cuda::current_math_flags();
-  out.raw(
-      "math",
-      JsonObject()
-          .boolean("allow_tf32", flags.allow_tf32)
-          .boolean("deterministic", flags.deterministic)
-          .boolean("benchmark", flags.benchmark)
-          .dump());
+  out.raw("math", math_json());
   const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params);
   if (route.aten_reason) {
     return out.str("path", "aten").strings("notes", {*route.aten_reason}).dump();
@@ -135,6 +185,7 @@ void plan_cache_clear() {
 
 TORCH_LIBRARY_IMPL(convbias, CUDA, m) {
   m.impl("_explain", &explain_cuda);
+  m.impl("_explain_param_grad", &explain_param_grad_cuda);
 }
 
 } // namespace convbias

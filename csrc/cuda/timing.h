@@ -7,8 +7,10 @@
 
 namespace convbias::cuda {
 
-// Runs `fn` once to warm up, then three times between CUDA events on the current stream; the best time in ms.
-// When the warm-up run alone took longer than `give_up_above_ms`, returns its time without running again.
+// Runs `fn` once to warm up (timed alone), then once more and, queued behind it, 3-20 times (about 1 ms) between
+// CUDA events on the current stream: the mean time per call in ms, as back-to-back calls cost in a training loop
+// (GPU time, or host time where the host cannot keep up). When the warm-up run alone took longer than
+// `give_up_above_ms`, returns its time without running again.
 // Synchronises the stream, so it is only used once per cache key and never during CUDA graph capture.
 float time_on_stream(
     const std::function<void()>& fn, float give_up_above_ms = std::numeric_limits<float>::infinity());

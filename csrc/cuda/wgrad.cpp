@@ -2,6 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include "cuda/forward_setup.h"
+#include "cuda/knobs.h"
+
 #include <sstream>
 
 namespace convbias::cuda {
@@ -103,33 +106,51 @@ PlanCache<WgradPlan>& wgrad_cache() {
   return cache;
 }
 
-std::optional<at::Tensor> weight_grad(
-    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight, const ConvParams& params) {
-  TORCH_INTERNAL_ASSERT(
-      dy.is_contiguous(at::MemoryFormat::ChannelsLast) && x.is_contiguous(at::MemoryFormat::ChannelsLast) &&
-      pointer_alignment(dy) >= 16 && pointer_alignment(x) >= 16);
+WeightGradRoute route_weight_grad(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const ConvParams& params) {
+  WeightGradRoute route;
   constexpr auto cl = at::MemoryFormat::ChannelsLast;
-  at::Tensor dw = at::empty(weight.sizes(), weight.options().memory_format(cl));
-  WgradProblem p;
-  p.dtype = x.scalar_type();
-  p.device = x.device().index();
+  if (knobs().param_grad != "cudnn") {
+    route.aten_reason = "TORCH_CONVBIAS_PARAM_GRAD=" + knobs().param_grad;
+  } else if (auto reason = aten_only_reason(input, weight)) {
+    route.aten_reason = *reason;
+  } else if (output_memory_format(input, weight) != cl) {
+    // The conv_wgrad graph takes channels_last dy and x: NCHW tensors go to ATen (nn.Conv2d's own path) rather
+    // than through full-size channels_last copies that nn.Conv2d's backward would not make.
+    route.aten_reason = "NCHW input and weight: ATen's weight gradient (nn.Conv2d's path), no channels_last copies";
+  }
+  if (route.aten_reason) {
+    return route;
+  }
+  route.dy = aligned_for_cudnn(grad_output.contiguous(cl), cl);
+  route.x = aligned_for_cudnn(input.contiguous(cl), cl);
+  route.dw = at::empty(weight.sizes(), weight.options().memory_format(cl));
+  WgradProblem& p = route.problem;
+  p.dtype = route.x.scalar_type();
+  p.device = route.x.device().index();
   for (int i = 0; i < 4; ++i) {
-    p.x_dims[i] = x.size(i);
-    p.dy_dims[i] = dy.size(i);
+    p.x_dims[i] = route.x.size(i);
+    p.dy_dims[i] = route.dy.size(i);
     p.w_dims[i] = weight.size(i);
   }
   p.params = params;
-  p.alignments = {pointer_alignment(x), pointer_alignment(dy), pointer_alignment(dw)};
+  p.alignments = {pointer_alignment(route.x), pointer_alignment(route.dy), pointer_alignment(route.dw)};
   p.flags = current_math_flags();
-  const auto plan = wgrad_cache().get_or_build(p.key(), [&] { return build_plan(p, x, dy, dw); }, nullptr);
-  if (!plan->graph) {
-    return std::nullopt;
-  }
-  VariantPack pack = variant_pack(x, dy, dw);
-  execute_plan(*plan->graph, plan->engine, pack, x.options(), [&] {
-    return "conv_wgrad graph for " + p.describe();
+  const PlanKey key = p.key();
+  route.was_cached = wgrad_cache().peek(key) != nullptr;
+  route.plan = wgrad_cache().get_or_build(
+      key, [&] { return build_plan(p, route.x, route.dy, route.dw); }, &route.build_seconds);
+  return route;
+}
+
+at::Tensor run_weight_grad(const WeightGradRoute& route, const at::Tensor& weight) {
+  TORCH_INTERNAL_ASSERT(route.runs_graph());
+  VariantPack pack = variant_pack(route.x, route.dy, route.dw);
+  execute_plan(*route.plan->graph, route.plan->engine, pack, route.x.options(), [&] {
+    return "conv_wgrad graph for " + route.problem.describe();
   });
-  return dw.contiguous(is_channels_last(weight) ? cl : at::MemoryFormat::Contiguous);
+  constexpr auto cl = at::MemoryFormat::ChannelsLast;
+  return route.dw.contiguous(is_channels_last(weight) ? cl : at::MemoryFormat::Contiguous);
 }
 
 } // namespace convbias::cuda

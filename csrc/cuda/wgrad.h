@@ -37,9 +37,25 @@ struct WgradPlan {
 
 PlanCache<WgradPlan>& wgrad_cache();
 
-// grad_weight of the convolution for channels_last `dy` and `x` (16-byte aligned), in `weight`'s memory format,
-// or nullopt when no cuDNN graph builds for the problem or ATen's was measured faster (the caller runs ATen).
-std::optional<at::Tensor> weight_grad(
-    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight, const ConvParams& params);
+// How param_grad computes the weight gradient for these tensors; shared by param_grad and explain_param_grad.
+struct WeightGradRoute {
+  // Set: ATen's weight gradient, for this reason, without trying a graph (NCHW tensors, float64, the knob, ...).
+  std::optional<std::string> aten_reason;
+  WgradProblem problem;
+  at::Tensor dy, x, dw; // channels_last and 16-byte aligned; dw allocated for the graph to write
+  // The cached plan; without a graph in it ATen runs (no graph builds, or ATen was measured faster: see notes).
+  std::shared_ptr<const WgradPlan> plan;
+  bool was_cached = false;
+  double build_seconds = 0;
+
+  bool runs_graph() const { return !aten_reason && plan && plan->graph; }
+};
+
+// Looks up (or builds and caches) the weight-gradient plan for grad_output, input and weight.
+WeightGradRoute route_weight_grad(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const ConvParams& params);
+
+// Runs the route's conv_wgrad graph (route.runs_graph()): grad_weight in `weight`'s memory format.
+at::Tensor run_weight_grad(const WeightGradRoute& route, const at::Tensor& weight);
 
 } // namespace convbias::cuda
