@@ -262,6 +262,45 @@ def time_side_by_side(
     return {name: summarize(samples[name]) for name in names}
 
 
+def time_back_to_back(
+    fns: Mapping[str, Callable[[], object]],
+    calls: int,
+    repeats: int,
+    device: str | torch.device | None = None,
+) -> dict[str, dict[str, float | int]]:
+    """Throughput: the time per call of ``calls`` calls queued back to back, one sample per repeat (variants
+    interleaved per repeat), summarized like :func:`time_side_by_side`.
+
+    One untimed call runs ahead of the start event, so the GPU is busy while the timed calls are enqueued: the
+    figure is the GPU's time per call (or the host's, where the host cannot keep up), without the launch latency
+    that a per-call event pair on an idle GPU also measures. The right figure for bandwidth; per-call events are
+    the right one for the cost of one call among others.
+    """
+    if calls < 1 or repeats < 1:
+        raise ValueError(f"calls and repeats must be >= 1, got {calls} and {repeats}")
+    names = list(fns)
+    cuda = _use_cuda(device)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for _, order in _rotations(names, repeats):
+        for name in order:
+            fn = fns[name]
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                fn()
+                start.record()
+                for _ in range(calls):
+                    fn()
+                end.record()
+                end.synchronize()
+                samples[name].append(start.elapsed_time(end) / calls)
+            else:
+                begin = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                samples[name].append((time.perf_counter() - begin) * 1e3 / calls)
+    return {name: summarize(samples[name]) for name in names}
+
+
 def time_cuda(
     fn: Callable[[], object], warmup: int, iters: int, device: str | torch.device | None = None
 ) -> dict[str, float | int]:

@@ -131,6 +131,22 @@ def test_helpers() -> None:
     assert common.time_cuda(lambda: None, warmup=1, iters=3, device="cpu")["iters"] == 3
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU"))])
+def test_time_back_to_back_times_each_variant_in_batches(device: str) -> None:
+    counts = {"a": 0, "b": 0}
+
+    def call(name: str) -> None:
+        counts[name] += 1
+        torch.ones(8, device=device).sum()
+
+    stats = common.time_back_to_back({"a": lambda: call("a"), "b": lambda: call("b")}, calls=4, repeats=3, device=device)
+    assert set(stats) == {"a", "b"} and all(s["iters"] == 3 and s["median_ms"] > 0 for s in stats.values())
+    # Per repeat: `calls` timed calls, plus on CUDA one untimed call ahead of the start event.
+    assert counts == {name: 3 * (4 + (device == "cuda")) for name in counts}
+    with pytest.raises(ValueError, match="calls and repeats must be >= 1, got 0 and 3"):
+        common.time_back_to_back({"a": lambda: None}, calls=0, repeats=3, device="cpu")
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message given without a GPU")
 def test_bias_grad_bench_says_it_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     from bench import bench_bias_grad
