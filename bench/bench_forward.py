@@ -3,8 +3,9 @@
 For every numeric mode and shape, six variants run on the same tensors, interleaved in one timing loop:
 
 ==================  ============================================================================
-ours_cl             ``torch.ops.convbias.forward`` on channels_last input and weight (the product)
-ours_nchw           the same op on NCHW input and weight
+ours_cl             ``ConvBias2d`` (the product, as a model calls it; ``from_conv`` of torch_cl's module, so the
+                    same parameters), module and input channels_last
+ours_nchw           the same on NCHW input and weight
 ours_conv_only      the op without bias (channels_last): our conv-only graph
 torch_cl            ``nn.Conv2d`` with bias, module and input channels_last (the main baseline)
 torch_nchw          ``nn.Conv2d`` on NCHW
@@ -40,8 +41,8 @@ NAME = "forward"
 SCHEMA = "torch_convbias.bench_forward/1"
 
 VARIANTS: dict[str, str] = {
-    "ours_cl": "torch.ops.convbias.forward(x, w, bias, stride, padding, dilation, 1), x and w channels_last",
-    "ours_nchw": "the same op on NCHW x and w",
+    "ours_cl": "ConvBias2d (from_conv of the nn.Conv2d below: same parameters), module and input channels_last",
+    "ours_nchw": "the same module on NCHW x and weight",
     "ours_conv_only": "the same op without bias, channels_last: our conv-only graph",
     "torch_cl": "nn.Conv2d with bias, module and input channels_last (the main baseline)",
     "torch_nchw": "nn.Conv2d on NCHW",
@@ -105,6 +106,8 @@ class Problem:
     bias: torch.Tensor
     conv_cl: nn.Conv2d
     conv_nchw: nn.Conv2d
+    ours_cl_module: torch_convbias.ConvBias2d  # ConvBias2d.from_conv of conv_cl / conv_nchw: same parameters
+    ours_nchw_module: torch_convbias.ConvBias2d
     stride: list[int]
     padding: list[int]
     dilation: list[int]
@@ -114,8 +117,8 @@ class Problem:
 
     def variants(self) -> dict[str, Callable[[], torch.Tensor]]:
         return {
-            "ours_cl": lambda: self.ours(self.x_cl, self.w_cl, self.bias),
-            "ours_nchw": lambda: self.ours(self.x_nchw, self.w_nchw, self.bias),
+            "ours_cl": lambda: self.ours_cl_module(self.x_cl),
+            "ours_nchw": lambda: self.ours_nchw_module(self.x_nchw),
             "ours_conv_only": lambda: self.ours(self.x_cl, self.w_cl, None),
             "torch_cl": lambda: self.conv_cl(self.x_cl),
             "torch_nchw": lambda: self.conv_nchw(self.x_nchw),
@@ -144,6 +147,8 @@ def make_problem(shape: Shape, mode: Mode, device: str, seed: int) -> Problem:
         bias=conv_nchw.bias,
         conv_cl=conv_cl,
         conv_nchw=conv_nchw,
+        ours_cl_module=torch_convbias.ConvBias2d.from_conv(conv_cl),
+        ours_nchw_module=torch_convbias.ConvBias2d.from_conv(conv_nchw),
         stride=[shape.stride] * 2,
         padding=[shape.pad] * 2,
         dilation=[1, 1],

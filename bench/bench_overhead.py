@@ -10,6 +10,8 @@ ours                        ``torch.ops.convbias.forward(x, w, b, ...)`` (no ten
 torch_conv2d_grad           ``F.conv2d`` with a weight that requires grad (autograd records the call)
 ours_grad                   ``torch.ops.convbias.forward`` with a weight that requires grad
 torch_aten_convolution      ``torch.ops.aten.convolution.default``: the floor of any call through ``torch.ops``
+torch_module / ours_module  ``nn.Conv2d(x)`` vs ``ConvBias2d(x)`` under no_grad: what a model calls (ours through
+                            the eager C++ entry ``_C._forward_eager``, not torch.ops)
 torch_step / ours_step      forward + backward of a weight that requires grad: nn.Conv2d vs ConvBias2d
 ==========================  ======================================================================================
 
@@ -67,6 +69,8 @@ def variants(device: str, shape: Sequence[int], channels_last: bool) -> dict[str
         "torch_conv2d_grad": lambda: F.conv2d(x, conv.weight, conv.bias, 1, 1),
         "ours_grad": lambda: forward(x, conv.weight, conv.bias, [1, 1], [1, 1], [1, 1], 1),
         "torch_aten_convolution": lambda: aten(x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1),
+        "torch_module": torch.no_grad()(lambda: conv(x)),
+        "ours_module": torch.no_grad()(lambda: ours(x)),
         "torch_step": torch_step,
         "ours_step": ours_step,
     }
@@ -97,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows,
         [("shape", "shape", "s"), ("layout", "layout", "s")]
         + [(name, f"{name}_us", ".1f") for name in ("torch_conv2d", "ours", "torch_conv2d_grad", "ours_grad",
-                                                      "torch_aten_convolution", "torch_step", "ours_step")],
+                                                      "torch_aten_convolution", "torch_module", "ours_module",
+                                                      "torch_step", "ours_step")],
     )
     results = {"schema": SCHEMA, "environment": environment(), "device": device, "calls": args.calls,
                "repeats": args.repeats, "rows": rows}

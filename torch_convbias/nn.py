@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import conv_bias2d
+from .functional import _forward, conv_bias2d
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SUPPORTED_DEVICES = ("cpu", "cuda", "meta")
@@ -28,7 +28,7 @@ class ConvBias2d(nn.Conv2d):
         if isinstance(self.padding, str) or input.dim() != 4:
             return conv_bias2d(input, weight, bias, self.stride, self.padding, self.dilation, self.groups)
         # The common case straight to the op: no Python argument normalisation per call.
-        return torch.ops.convbias.forward(input, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+        return _forward(input, weight, bias, self.stride, self.padding, self.dilation, self.groups)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self._conv_forward(input, self.weight, self.bias)
