@@ -370,12 +370,8 @@ FpropProblem make_problem(
 std::shared_ptr<const FpropPlan> fprop_plan(
     const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
     bool* was_cached, double* build_seconds) {
-  auto& cache = fprop_cache();
-  const PlanKey key = problem.key();
-  if (was_cached != nullptr) {
-    *was_cached = cache.peek(key) != nullptr;
-  }
-  return cache.get_or_build(key, [&] { return build_plan(problem, x, w, b); }, build_seconds);
+  return fprop_cache().get_or_build(
+      problem.key(), [&] { return build_plan(problem, x, w, b); }, build_seconds, was_cached);
 }
 
 at::Tensor run_fprop(

@@ -38,12 +38,13 @@ class PlanCache {
   explicit PlanCache(int64_t capacity) : capacity_(capacity) {}
 
   // The cached plan for `key`, or the one `build` makes (built outside the lock: a slow build does not block
-  // other keys; two threads missing the same key both build, and the first insert wins).
+  // other keys; two threads missing the same key both build, and the first insert wins). `was_cached`, when
+  // given, says whether it was found (a hit); `build_seconds_out` the build's time on a miss.
   std::shared_ptr<const Plan> get_or_build(
-      const PlanKey& key, const std::function<std::shared_ptr<const Plan>()>& build, double* build_seconds_out);
-
-  // nullptr when absent; does not count as a hit or a miss.
-  std::shared_ptr<const Plan> peek(const PlanKey& key) const;
+      const PlanKey& key,
+      const std::function<std::shared_ptr<const Plan>()>& build,
+      double* build_seconds_out,
+      bool* was_cached = nullptr);
 
   CacheStats stats() const;
   void clear();

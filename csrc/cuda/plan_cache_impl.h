@@ -15,11 +15,18 @@ inline size_t PlanKeyHash::operator()(const PlanKey& key) const {
 
 template <typename Plan>
 std::shared_ptr<const Plan> PlanCache<Plan>::get_or_build(
-    const PlanKey& key, const std::function<std::shared_ptr<const Plan>()>& build, double* build_seconds_out) {
+    const PlanKey& key,
+    const std::function<std::shared_ptr<const Plan>()>& build,
+    double* build_seconds_out,
+    bool* was_cached) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = index_.find(key);
-    if (it != index_.end()) {
+    const bool hit = it != index_.end();
+    if (was_cached != nullptr) {
+      *was_cached = hit;
+    }
+    if (hit) {
       order_.splice(order_.begin(), order_, it->second);
       ++stats_.hits;
       return it->second->second;
@@ -46,13 +53,6 @@ std::shared_ptr<const Plan> PlanCache<Plan>::get_or_build(
     ++stats_.evictions;
   }
   return plan;
-}
-
-template <typename Plan>
-std::shared_ptr<const Plan> PlanCache<Plan>::peek(const PlanKey& key) const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto it = index_.find(key);
-  return it == index_.end() ? nullptr : it->second->second;
 }
 
 template <typename Plan>

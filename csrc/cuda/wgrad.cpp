@@ -136,10 +136,8 @@ WeightGradRoute route_weight_grad(
   p.params = params;
   p.alignments = {pointer_alignment(route.x), pointer_alignment(route.dy), pointer_alignment(route.dw)};
   p.flags = current_math_flags();
-  const PlanKey key = p.key();
-  route.was_cached = wgrad_cache().peek(key) != nullptr;
   route.plan = wgrad_cache().get_or_build(
-      key, [&] { return build_plan(p, route.x, route.dy, route.dw); }, &route.build_seconds);
+      p.key(), [&] { return build_plan(p, route.x, route.dy, route.dw); }, &route.build_seconds, &route.was_cached);
   return route;
 }
 
