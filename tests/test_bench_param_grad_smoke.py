@@ -165,6 +165,8 @@ def test_bias_bandwidth_verdict() -> None:
             "dtype": "float32",
             "bias_bw_fraction_ours": fraction,
             "bias_bw_fraction_torch": 0.5 if fraction is not None else None,
+            # Back to back: no launch latency, so a little higher than per call.
+            "bias_stream_fraction_ours": fraction + 0.02 if fraction is not None else None,
             "bias_only_speedup": 2.0 if fraction is not None else None,
         }
 
@@ -173,5 +175,9 @@ def test_bias_bandwidth_verdict() -> None:
     assert summarize([row(big, 0.85), row(small, 0.01)])["bias_large_shapes"] == [big.label]
     assert summarize([row(big, 0.79), row(small, 0.9)])["target_bias_bw_pass"] is False
     assert summarize([row(big, None), row(small, 0.9)])["target_bias_bw_pass"] is None
+    assert summarize([row(big, 0.79), row(small, 0.9)])["target_bias_bw_stream_pass"] is True
+    assert summarize([row(big, 0.77), row(small, 0.9)])["target_bias_bw_stream_pass"] is False
+    assert summarize([row(big, None), row(small, 0.9)])["target_bias_bw_stream_pass"] is None
+    assert summarize([row(big, 0.79)])["bias_stream_fraction_ours_min_large"] == pytest.approx(0.81)
     assert summarize([row(small, 0.9)])["target_bias_bw_pass"] is None
     assert bench_param_grad.grad_output_bytes(big, torch.bfloat16) == 256 * 256 * 56 * 56 * 2
