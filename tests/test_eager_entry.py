@@ -26,7 +26,9 @@ def args(device: str = "cpu") -> tuple:
 def test_same_result_as_torch_ops(device: str) -> None:
     a = args(device)
     expected = torch.ops.convbias.forward(*a)
-    torch.testing.assert_close(_C._forward_eager(*a), expected, rtol=0, atol=0)
+    # The same kernel on the same plan: exact on the CPU; on CUDA an engine may split its reduction differently.
+    exact = {"rtol": 0, "atol": 0} if device == "cpu" else {}
+    torch.testing.assert_close(_C._forward_eager(*a), expected, **exact)
     torch.testing.assert_close(_C._forward_eager(*a[:2], None, *a[3:]), torch.ops.convbias.forward(*a[:2], None, *a[3:]))
 
 
