@@ -313,7 +313,8 @@ def test_path_knob(path: str, expected: str) -> None:
 def test_autotune_on_sweeps_and_times_every_engine() -> None:
     """TORCH_CONVBIAS_AUTOTUNE=on: heuristics' configurations plus every other engine are built and timed."""
     engine = run_with_env(TORCH_CONVBIAS_AUTOTUNE="on", TORCH_CONVBIAS_PATH="fused")["explain"]["engine"]
-    assert engine["swept"] >= 0 and engine["heuristic_candidates"] >= engine["swept"], engine
+    # The sweep added engines heuristics did not offer (6-11 per shape on the H200 suite at 6fa1ec3).
+    assert engine["swept"] > 0, engine
     assert len(engine["timings"]) > 3, engine  # more than the default policy's three candidates
     assert engine["measured_ms"] == min(ms for _, ms in engine["timings"]), engine
 
