@@ -165,6 +165,26 @@ def test_explain_param_grad_reports_the_paths_param_grad_takes() -> None:
     assert nchw["math"]["allow_tf32"] == torch.backends.cudnn.allow_tf32
 
 
+def test_explain_param_grad_names_the_knobs_that_force_aten() -> None:
+    script = (
+        "import json, torch, torch_convbias\n"
+        "cl = torch.channels_last\n"
+        "x = torch.randn(4, 8, 6, 6, device='cuda').contiguous(memory_format=cl)\n"
+        "w = torch.randn(16, 8, 3, 3, device='cuda').contiguous(memory_format=cl)\n"
+        "dy = torch.randn(4, 16, 6, 6, device='cuda').contiguous(memory_format=cl)\n"
+        "print(json.dumps(torch_convbias.explain_param_grad(dy, x, w, padding=1)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "TORCH_CONVBIAS_PARAM_GRAD": "aten", "TORCH_CONVBIAS_BIAS_GRAD": "aten"},
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    info = json.loads(result.stdout.strip().splitlines()[-1])
+    assert info["weight_grad"] == {"path": "aten", "notes": ["TORCH_CONVBIAS_PARAM_GRAD=aten"]}, info
+    assert info["bias_grad"] == {"way": "aten", "notes": ["TORCH_CONVBIAS_BIAS_GRAD=aten"]}, info
+
+
 def test_bias_grad_kernel_refuses_what_it_cannot_take() -> None:
     nchw = torch.randn(2, 8, 4, 4, device="cuda")
     with pytest.raises(ValueError, match="the kernel takes channels_last"):

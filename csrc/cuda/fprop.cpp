@@ -83,9 +83,8 @@ std::string layout_hint(const FpropProblem& p) {
     hint << "; channel counts whose rows are not 16-byte multiples (C=" << p.x_dims[1] << ", K=" << p.w_dims[0]
          << ", " << element << "-byte " << p.dtype << ") leave few engines";
   }
-  if (*std::min_element(p.alignments.begin(), p.alignments.end()) < 16) {
-    hint << "; a data pointer is only " << *std::min_element(p.alignments.begin(), p.alignments.end())
-         << "-byte aligned";
+  if (const int64_t least = *std::min_element(p.alignments.begin(), p.alignments.end()); least < 16) {
+    hint << "; a data pointer is only " << least << "-byte aligned";
   }
   return hint.str();
 }
