@@ -22,6 +22,12 @@ ours_forward        ``layer(x)`` alone, in grad mode as in the step (graph built
 torch_forward       the same with ``nn.Conv2d``
 ==================  ===========================================================================================
 
+Two more figures per row, each step queued back to back (``harness.time_throughput``: the rate a training loop
+runs at): ``speedup_back_to_back`` of the eager steps, and ``graphed_speedup`` of the whole step (forward, backward,
+SGD update) captured once per side in a CUDA graph and replayed (``torch.cuda.graph``, after a warm-up on a side
+stream, as PyTorch's whole-network capture recipe does): the GPU work alone, without Python, autograd and
+optimizer host time, which is the same on both sides and bounds the eager ratio of every sub-millisecond step.
+
 Ratios: ``speedup = torch_step / ours_step`` (targets: geomean >= 1.8 bf16, >= 1.45 tf32, >= 1.10 fp32, no shape
 below 1.0x) and ``forward_speedup = torch_forward / ours_forward``; rows also give backward + update as step -
 forward (differences of medians: an estimate) and its speedup. Numerics (recorded, not fatal): forward output,
@@ -32,7 +38,7 @@ tolerance, atol scaled by max|reference|. Run from the repository root: ``python
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +48,7 @@ from torch import nn
 import torch_convbias
 
 from . import harness
-from .common import Mode, check_numerics, fmt, geomean
+from .common import Mode, check_numerics, fmt, geomean, short_error
 
 NAME = "layerwise"
 SCHEMA = "torch_convbias.bench_layerwise/1"
@@ -68,6 +74,10 @@ RATIOS: dict[str, tuple[str, str]] = {
 }
 
 ROW_FIELDS = (
+    "back_to_back",
+    "speedup_back_to_back",
+    "graphed_speedup",
+    "graph_error",
     "ours_backward_update_ms",
     "torch_backward_update_ms",
     "backward_update_speedup",
@@ -86,6 +96,8 @@ TABLE: list[tuple[str, str, str]] = [
     ("fwd_spd", "forward_speedup", ".2f"),
     ("bwd+upd_spd", "backward_update_speedup", ".2f"),
     ("saved_ms", "step_ms_saved", ".3f"),
+    ("b2b_spd", "speedup_back_to_back", ".2f"),
+    ("graphed_spd", "graphed_speedup", ".2f"),
     ("num", "numerics", ""),
     ("status", "status", ""),
 ]
@@ -192,6 +204,50 @@ def breakdown(timings: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     }
 
 
+def capture_step(layer: Layer) -> Callable[[], None]:
+    """The layer's step (forward, backward, SGD update) captured in a CUDA graph; returns the graph's replay.
+
+    PyTorch's whole-network recipe: a few steps on a side stream first, gradients set to None so that backward
+    allocates them from the graph's pool, then one captured step. The optimizer's momentum buffers already exist
+    (earlier steps), so the captured update is the steady-state one.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            layer.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    layer.optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        layer.backward()
+        layer.optimizer.step()
+    # The eager steps timed with the replays start from no gradient, as every eager step does.
+    layer.optimizer.zero_grad(set_to_none=True)
+    return graph.replay
+
+
+def throughput(ours: Layer, ref: Layer, errors: dict[str, str], device: str) -> dict[str, Any]:
+    """Eager steps and, on CUDA, CUDA-graph replays of the step, each queued back to back."""
+    variants: dict[str, Callable[[], Any]] = {"ours_step": ours.step, "torch_step": ref.step}
+    graph_error = None
+    if torch.device(device).type == "cuda":
+        try:
+            variants["ours_graphed"] = capture_step(ours)
+            variants["torch_graphed"] = capture_step(ref)
+        except Exception as error:  # noqa: BLE001 - recorded: the eager figures still stand
+            graph_error = short_error(error)
+            variants.pop("ours_graphed", None)
+            torch.cuda.synchronize()
+    timings = harness.time_throughput(variants, errors, device)
+    return {
+        "back_to_back": timings,
+        "speedup_back_to_back": harness.ratio(timings, "torch_step", "ours_step"),
+        "graphed_speedup": harness.ratio(timings, "torch_graphed", "ours_graphed"),
+        "graph_error": graph_error,
+    }
+
+
 def measure(shape: harness.Shape, mode: Mode, device: str, warmup: int, iters: int, seed: int) -> dict[str, Any]:
     """One checked step on both layers, then the steps and forwards side by side."""
     ours, ref = make_layers(shape, mode, device, seed)
@@ -210,18 +266,28 @@ def measure(shape: harness.Shape, mode: Mode, device: str, warmup: int, iters: i
         "timings": timings,
         **harness.ratios(SPEC, timings),
         **breakdown(timings),
+        **throughput(ours, ref, errors, device),
         "numerics": numerics,
     }
 
 
 def summarize_breakdown(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    return {"geomean_backward_update_speedup": geomean(r["backward_update_speedup"] for r in rows)}
+    return {
+        "geomean_backward_update_speedup": geomean(r["backward_update_speedup"] for r in rows),
+        **harness.ratio_summary(rows, "speedup_back_to_back"),
+        **harness.ratio_summary(rows, "graphed_speedup"),
+        "graph_errors": [r["label"] for r in rows if r.get("graph_error")],
+    }
 
 
 def describe_breakdown(summary: dict[str, Any]) -> str:
     return (
         f"breakdown: forward geomean {fmt(summary['geomean_forward_speedup'])}x, "
-        f"backward + update (step - forward) geomean {fmt(summary['geomean_backward_update_speedup'])}x"
+        f"backward + update (step - forward) geomean {fmt(summary['geomean_backward_update_speedup'])}x\n{'':>15}"
+        + harness.describe_ratio_summary(summary, "speedup_back_to_back", "steps back to back")
+        + f"\n{'':>15}"
+        + harness.describe_ratio_summary(summary, "graphed_speedup", "CUDA-graphed steps back to back (GPU work alone)")
+        + (f"; capture failed on {len(summary['graph_errors'])} shapes" if summary["graph_errors"] else "")
     )
 
 

@@ -39,6 +39,7 @@ from .common import (
     result_path,
     short_error,
     synchronize,
+    time_back_to_back,
     time_side_by_side,
     verdict,
     wall_ms,
@@ -332,6 +333,51 @@ def ratios(spec: Spec, timings: Mapping[str, Mapping[str, Any]]) -> dict[str, fl
         a, b = timings.get(num), timings.get(den)
         out[name] = a["median_ms"] / b["median_ms"] if a and b and b["median_ms"] > 0 else None
     return out
+
+
+# Throughput figures (common.time_back_to_back): calls queued per sample, samples per variant.
+BACK_TO_BACK_CALLS, BACK_TO_BACK_REPEATS = 20, 10
+
+
+def time_throughput(
+    variants: Mapping[str, Callable[[], Any]], errors: Mapping[str, str], device: str
+) -> dict[str, dict[str, Any]]:
+    """The variants that worked, each timed as calls queued back to back (the rate a training loop runs them at:
+    GPU time, or host time where the host cannot keep up). Per-call events with the variants interleaved (the
+    side-by-side figure) also count the launch latency after a host-heavy neighbour left the GPU idle, which on
+    problems of a few tenths of a millisecond swings the ratio by 20% from run to run; this figure does not."""
+    runnable = {name: fn for name, fn in variants.items() if name not in errors}
+    if not runnable:
+        return {}
+    return time_back_to_back(runnable, BACK_TO_BACK_CALLS, BACK_TO_BACK_REPEATS, device)
+
+
+def ratio(timings: Mapping[str, Mapping[str, Any]], num: str, den: str) -> float | None:
+    """timings[num] / timings[den] (medians); None where a side was not measured."""
+    a, b = timings.get(num), timings.get(den)
+    return a["median_ms"] / b["median_ms"] if a and b and b["median_ms"] > 0 else None
+
+
+def ratio_summary(rows: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
+    """Geomean, worst shape and shapes below 1.0x of a per-row ratio that is not the headline."""
+    measured = [r for r in rows if r.get(key) is not None]
+    worst = min(measured, key=lambda r: r[key], default=None)
+    return {
+        f"geomean_{key}": geomean(r[key] for r in measured),
+        f"worst_{key}": worst[key] if worst else None,
+        f"worst_shape_{key}": worst["label"] if worst else None,
+        f"below_1x_shapes_{key}": [r["label"] for r in measured if r[key] < 1.0],
+        f"measured_{key}": len(measured),
+    }
+
+
+def describe_ratio_summary(summary: Mapping[str, Any], key: str, what: str) -> str:
+    """One line for :func:`ratio_summary`'s fields."""
+    below = summary[f"below_1x_shapes_{key}"]
+    return (
+        f"{what}: geomean {fmt(summary[f'geomean_{key}'])}x, worst {summary[f'worst_shape_{key}']} "
+        f"{fmt(summary[f'worst_{key}'])}x, below 1.0x: {len(below)}/{summary[f'measured_{key}']}"
+    )
 
 
 def tflops(shape: Shape, timing: Mapping[str, Any] | None) -> float | None:

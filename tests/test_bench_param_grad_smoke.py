@@ -98,7 +98,12 @@ def test_param_grad_quick_cpu_run(param_grad_run: tuple[dict[str, Any], Path]) -
         assert row["grad_weight_channels_last"] is True
         assert row["bias_gbps_ours"] > 0 and row["bias_bw_fraction_ours"] > 0 and row["bias_large"] is False
         assert row["first_call_ms"] > 0
+        assert set(row["back_to_back"]) == {"ours", "torch", "ours_bias_only", "torch_bias_only"}
+        assert row["speedup_back_to_back"] == pytest.approx(
+            row["back_to_back"]["torch"]["median_ms"] / row["back_to_back"]["ours"]["median_ms"]
+        )
     for summary in results["summaries"]:
+        assert summary["measured_speedup_back_to_back"] == len(LABELS) and summary["geomean_speedup_back_to_back"] > 0
         # N=2 on the CPU: no grad_output reaches the size the bandwidth target applies to, so no verdict.
         assert summary["bias_large_shapes"] == [] and summary["target_bias_bw_pass"] is None
         assert summary["target_geomean_speedup"] == bench_param_grad.TARGETS.get(summary["mode"])
@@ -113,8 +118,13 @@ def test_layerwise_quick_cpu_run(layerwise_run: tuple[dict[str, Any], Path]) -> 
         checks = row["numerics"]["checks"]
         assert set(checks) == {"output", "grad_weight", "grad_bias", "weight_after_step", "bias_after_step"}
         assert row["forward_speedup"] > 0 and row["step_ms_saved"] is not None
+        # On the CPU no CUDA graph: eager steps back to back only, and no capture attempted (so no error).
+        assert set(row["back_to_back"]) == {"ours_step", "torch_step"} and row["speedup_back_to_back"] > 0
+        assert row["graphed_speedup"] is None and row["graph_error"] is None
     for summary in results["summaries"]:
         assert "geomean_backward_update_speedup" in summary
+        assert summary["geomean_speedup_back_to_back"] > 0 and summary["geomean_graphed_speedup"] is None
+        assert summary["graph_errors"] == []
         assert summary["target_geomean_speedup"] == bench_layerwise.TARGETS[summary["mode"]]
 
 

@@ -74,7 +74,7 @@ def explain_param_grad(
     ``plan_build_seconds``, ``graph_ms`` / ``aten_ms`` (both measured once per key when timing is allowed, the
     faster kept; -1 when not measured) and ``engine`` as in :func:`explain`. ``bias_grad``: ``way`` (``kernel``:
     ours; ``cudnn``: a reduction graph; ``aten``: ATen's sum), ``notes`` and, for the kernel, ``launch``
-    (``blocks_per_sm``, ``loads_in_flight``, ``timed``). ``math``: the flags that select engines. Builds and caches
+    (``blocks_per_sm``, ``loads_in_flight``, ``bands``: ``contiguous`` or ``interleaved``, ``timed``). ``math``: the flags that select engines. Builds and caches
     plans exactly as the call would; on CUDA that may run the gradients a few times to time candidates.
     """
     return json.loads(

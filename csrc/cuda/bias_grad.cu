@@ -12,12 +12,14 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cuda_fp16.h>
 
 #include <algorithm>
 #include <array>
 #include <limits>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 namespace convbias::cuda {
@@ -35,18 +37,65 @@ struct Accumulator<double> {
   using type = double;
 };
 
-template <typename T, int kVec>
-struct alignas(kVectorBytes) Vector {
-  T v[kVec];
+// The elements of one 16-byte load, widened and added into sum[0..kCount). bfloat16 widens by a shift (its bits
+// are a float's upper half); the generic path through c10::BFloat16 cost ~15% of the bandwidth on the H200.
+template <typename T>
+struct Lanes;
+template <>
+struct Lanes<float> {
+  static constexpr int kCount = 4;
+  __device__ static void add(const uint4& v, float* sum) {
+    sum[0] += __uint_as_float(v.x);
+    sum[1] += __uint_as_float(v.y);
+    sum[2] += __uint_as_float(v.z);
+    sum[3] += __uint_as_float(v.w);
+  }
+};
+template <>
+struct Lanes<double> {
+  static constexpr int kCount = 2;
+  __device__ static void add(const uint4& v, double* sum) {
+    sum[0] += __hiloint2double(static_cast<int>(v.y), static_cast<int>(v.x));
+    sum[1] += __hiloint2double(static_cast<int>(v.w), static_cast<int>(v.z));
+  }
+};
+template <>
+struct Lanes<at::BFloat16> {
+  static constexpr int kCount = 8;
+  __device__ static void add(const uint4& v, float* sum) {
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      sum[2 * i] += __uint_as_float(words[i] << 16);
+      sum[2 * i + 1] += __uint_as_float(words[i] & 0xffff0000u);
+    }
+  }
+};
+template <>
+struct Lanes<at::Half> {
+  static constexpr int kCount = 8;
+  __device__ static void add(const uint4& v, float* sum) {
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 pair = __half22float2(*reinterpret_cast<const __half2*>(&words[i]));
+      sum[2 * i] += pair.x;
+      sum[2 * i + 1] += pair.y;
+    }
+  }
 };
 
-// Block (x, y): column vectors [x * columns_per_block, ...) of rows y, y + bands, ... in steps of rows_per_step.
-// partial[y][k] = sum of dy[row][k] over the block's rows, in a fixed order.
-template <typename T, int kVec, int kUnroll>
-__global__ void column_partial_sums(
-    const T* __restrict__ dy, int64_t rows, int64_t columns, int columns_per_block, int rows_per_step,
+// Block (x, y): column vectors [x * columns_per_block, ...) of the rows of band y, in steps of rows_per_step rows.
+// Bands are interleaved (band y takes steps y, y + bands, ...) or contiguous (band y takes one range of steps);
+// which streams faster depends on the shape (measured, bench/bias_kernel_variants.cu). Loads are streaming
+// (__ldcs, evict-first): grad_output is read once here. partial[y][k] = sum of dy[row][k] over the band's rows,
+// in a fixed order.
+template <typename T, int kUnroll, bool kContiguous>
+__global__ void __launch_bounds__(kThreads) column_partial_sums(
+    const uint4* __restrict__ dy, int64_t rows, int64_t columns, int columns_per_block, int rows_per_step,
     typename Accumulator<T>::type* __restrict__ partial) {
   using Acc = typename Accumulator<T>::type;
+  constexpr int kVec = Lanes<T>::kCount;
   extern __shared__ unsigned char shared_bytes[];
   Acc* shared = reinterpret_cast<Acc*>(shared_bytes);
 
@@ -62,30 +111,33 @@ __global__ void column_partial_sums(
     sum[i] = 0;
   }
   if (active) {
-    const auto* base = reinterpret_cast<const Vector<T, kVec>*>(dy) + vector_column;
-    const int64_t stride = static_cast<int64_t>(gridDim.y) * rows_per_step;
-    int64_t row = static_cast<int64_t>(blockIdx.y) * rows_per_step + row_in_step;
+    const uint4* base = dy + vector_column;
+    int64_t row, stride, end;
+    if constexpr (kContiguous) {
+      const int64_t steps = (rows + rows_per_step - 1) / rows_per_step;
+      const int64_t steps_per_band = (steps + gridDim.y - 1) / gridDim.y;
+      row = static_cast<int64_t>(blockIdx.y) * steps_per_band * rows_per_step + row_in_step;
+      end = min(rows, static_cast<int64_t>(blockIdx.y + 1) * steps_per_band * rows_per_step);
+      stride = rows_per_step;
+    } else {
+      row = static_cast<int64_t>(blockIdx.y) * rows_per_step + row_in_step;
+      end = rows;
+      stride = static_cast<int64_t>(gridDim.y) * rows_per_step;
+    }
     // kUnroll independent loads in flight per thread before any of them is added.
-    for (; row + (kUnroll - 1) * stride < rows; row += kUnroll * stride) {
-      Vector<T, kVec> loaded[kUnroll];
+    for (; row + (kUnroll - 1) * stride < end; row += kUnroll * stride) {
+      uint4 loaded[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        loaded[u] = base[(row + u * stride) * vector_columns];
+        loaded[u] = __ldcs(base + (row + u * stride) * vector_columns);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-          sum[i] += static_cast<Acc>(loaded[u].v[i]);
-        }
+        Lanes<T>::add(loaded[u], sum);
       }
     }
-    for (; row < rows; row += stride) {
-      Vector<T, kVec> a = base[row * vector_columns];
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        sum[i] += static_cast<Acc>(a.v[i]);
-      }
+    for (; row < end; row += stride) {
+      Lanes<T>::add(__ldcs(base + row * vector_columns), sum);
     }
   }
   // Fold the block's rows: shared[row_in_step][lane_column * kVec + i].
@@ -156,17 +208,29 @@ __global__ void sum_bands(
   }
 }
 
-// How the kernel is launched: blocks of 256 threads per SM, and loads in flight per thread (4 or 8).
+// How the kernel is launched: blocks of 256 threads per SM, loads in flight per thread (4 or 16), and whether
+// each band of rows is one contiguous range or interleaved with the others.
 struct LaunchConfig {
   int blocks_per_sm;
   int unroll;
+  bool contiguous;
 };
+
+template <typename T, int kUnroll, bool kContiguous>
+void launch_partials(
+    const dim3& grid, size_t shared_bytes, cudaStream_t stream, const at::Tensor& dy, int64_t rows, int64_t columns,
+    int columns_per_block, int rows_per_step, at::Tensor& partial) {
+  using Acc = typename Accumulator<T>::type;
+  column_partial_sums<T, kUnroll, kContiguous><<<grid, kThreads, shared_bytes, stream>>>(
+      static_cast<const uint4*>(dy.const_data_ptr()), rows, columns, columns_per_block, rows_per_step,
+      partial.mutable_data_ptr<Acc>());
+}
 
 template <typename T>
 at::Tensor launch(const at::Tensor& dy, LaunchConfig config) {
-  const int blocks_per_sm = config.blocks_per_sm;
   using Acc = typename Accumulator<T>::type;
-  constexpr int kVec = kVectorBytes / sizeof(T);
+  constexpr int kVec = Lanes<T>::kCount;
+  static_assert(kVec * sizeof(T) == kVectorBytes);
   const int64_t columns = dy.size(1);
   const int64_t rows = dy.numel() / columns;
   const int64_t vector_columns = columns / kVec;
@@ -177,19 +241,18 @@ at::Tensor launch(const at::Tensor& dy, LaunchConfig config) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t max_bands = std::max<int64_t>(1, rows / (16LL * rows_per_step));
   const int bands =
-      static_cast<int>(std::min<int64_t>(std::max(1, blocks_per_sm * sms / column_blocks), max_bands));
+      static_cast<int>(std::min<int64_t>(std::max(1, config.blocks_per_sm * sms / column_blocks), max_bands));
 
   at::Tensor partial = at::empty({bands, columns}, dy.options().dtype(c10::CppTypeToScalarType<Acc>::value));
   at::Tensor out = at::empty({columns}, dy.options());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const size_t shared_bytes = static_cast<size_t>(rows_per_step) * columns_per_block * kVec * sizeof(Acc);
   const dim3 grid(column_blocks, bands);
-  if (config.unroll == 8) {
-    column_partial_sums<T, kVec, 8><<<grid, kThreads, shared_bytes, stream>>>(
-        dy.const_data_ptr<T>(), rows, columns, columns_per_block, rows_per_step, partial.mutable_data_ptr<Acc>());
+  const auto args = std::forward_as_tuple(grid, shared_bytes, stream, dy, rows, columns, columns_per_block, rows_per_step, partial);
+  if (config.unroll == 16) {
+    std::apply(config.contiguous ? launch_partials<T, 16, true> : launch_partials<T, 16, false>, args);
   } else {
-    column_partial_sums<T, kVec, 4><<<grid, kThreads, shared_bytes, stream>>>(
-        dy.const_data_ptr<T>(), rows, columns, columns_per_block, rows_per_step, partial.mutable_data_ptr<Acc>());
+    std::apply(config.contiguous ? launch_partials<T, 4, true> : launch_partials<T, 4, false>, args);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   sum_bands<T><<<static_cast<int>((columns + kFoldColumns - 1) / kFoldColumns), kThreads, 0, stream>>>(
@@ -226,13 +289,15 @@ at::Tensor launch_for(const at::Tensor& grad_output, LaunchConfig config) {
   }
 }
 
-// Measured on the H200 (2026-12-02): with 4 loads in flight, 4 blocks per SM reached 0.66-0.98 of copy bandwidth
-// on grad_outputs >= 128 MiB and 8 blocks only 0.47-0.88, with no setting best for every shape. So each
+// Measured on the H200 (2026-12-02, bench/bias_kernel_variants.cu over 9 grad_outputs of 98-784 MiB): 4 blocks
+// per SM with 16 streaming loads in flight reached 0.83-1.05 of the copy bandwidth, the best or within 3% of it
+// on every shape but one (bf16 98 MiB, where contiguous bands gained 5%); no setting is best everywhere. So each
 // (device, dtype, rows, K) is timed once over a few launch configurations and the fastest kept; the default is
 // used untimed (CUDA graph capture, TORCH_CONVBIAS_AUTOTUNE=off) and under torch.use_deterministic_algorithms,
 // where the summation order must not depend on a timing.
-constexpr LaunchConfig kDefaultConfig = {4, 4};
-constexpr std::array<LaunchConfig, 6> kCandidateConfigs = {{{1, 8}, {2, 4}, {2, 8}, {4, 4}, {4, 8}, {8, 4}}};
+constexpr LaunchConfig kDefaultConfig = {4, 16, false};
+constexpr std::array<LaunchConfig, 6> kCandidateConfigs = {
+    {{4, 16, false}, {4, 16, true}, {2, 16, true}, {8, 16, true}, {4, 4, false}, {8, 4, true}}};
 
 // The configuration for grad_output and whether it was measured (false: the default, untimed).
 std::pair<LaunchConfig, bool> config_for(const at::Tensor& grad_output) {
@@ -284,7 +349,7 @@ BiasKernelLaunch bias_grad_kernel_launch(const at::Tensor& grad_output) {
   TORCH_INTERNAL_ASSERT(bias_grad_kernel_applies(grad_output));
   const c10::cuda::CUDAGuard guard(grad_output.device());
   const auto [config, timed] = config_for(grad_output);
-  return {config.blocks_per_sm, config.unroll, timed};
+  return {config.blocks_per_sm, config.unroll, config.contiguous, timed};
 }
 
 } // namespace convbias::cuda

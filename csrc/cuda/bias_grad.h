@@ -22,6 +22,7 @@ at::Tensor bias_grad_channels_last(const at::Tensor& grad_output);
 struct BiasKernelLaunch {
   int blocks_per_sm;
   int loads_in_flight;
+  bool contiguous_bands;  // each band of rows one range (else bands interleave)
   bool timed;
 };
 BiasKernelLaunch bias_grad_kernel_launch(const at::Tensor& grad_output);

@@ -98,6 +98,7 @@ std::string explain_param_grad_cuda(
         JsonObject()
             .num("blocks_per_sm", launch.blocks_per_sm)
             .num("loads_in_flight", launch.loads_in_flight)
+            .str("bands", launch.contiguous_bands ? "contiguous" : "interleaved")
             .boolean("timed", launch.timed)
             .dump());
   }
