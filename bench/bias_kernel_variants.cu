@@ -36,7 +36,8 @@
 
 constexpr int kThreads = 256;
 
-// The 16 bytes of a load as floats, added into sum[0..elements).
+// The 16 bytes of a load as floats, added into sum[0..elements): the same widening as csrc/cuda/bias_grad.cu's
+// Lanes, restated over CUDA's own 16-bit types so that this file builds without torch.
 template <typename T>
 struct Lanes;
 template <>
