@@ -16,6 +16,25 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// The input gradient: ATen's convolution backward. On the CPU 16-bit problems run in float32, rounded once: ATen's
+// 16-bit CPU convolution segfaults on some valid problems (torch 2.14.1, tests/test_fuzz.py; the reference kernels
+// in csrc/cpu/reference_kernels.cpp do the same for the forward and the parameter gradients).
+at::Tensor input_gradient(
+    const at::Tensor& grad_output,
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding,
+    c10::SymIntArrayRef dilation,
+    const c10::SymInt& groups) {
+  const bool upcast = input.is_cpu() && (input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16);
+  const auto computable = [upcast](const at::Tensor& t) { return upcast ? t.to(at::kFloat) : t; };
+  at::Tensor grad_input = std::get<0>(at::convolution_backward_symint(
+      computable(grad_output), computable(input), computable(weight), std::nullopt, stride, padding, dilation,
+      /*transposed=*/false, c10::SymIntArrayRef({c10::SymInt(0), c10::SymInt(0)}), groups, {true, false, false}));
+  return upcast ? grad_input.to(input.scalar_type()) : grad_input;
+}
+
 class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
  public:
   static at::Tensor forward(
@@ -54,9 +73,7 @@ class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
 
     at::Tensor grad_input, grad_weight, grad_bias;
     if (needs_input) {
-      grad_input = std::get<0>(at::convolution_backward_symint(
-          grad_output, input, weight, std::nullopt, stride, padding, dilation, /*transposed=*/false,
-          c10::SymIntArrayRef({c10::SymInt(0), c10::SymInt(0)}), groups, {true, false, false}));
+      grad_input = input_gradient(grad_output, input, weight, stride, padding, dilation, groups);
     }
     if (needs_weight || needs_bias) {
       // Through the dispatcher: with create_graph=True param_grad's autograd marks the results as not

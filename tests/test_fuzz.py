@@ -1,0 +1,242 @@
+"""Seeded random calls of ``conv_bias2d`` against ``F.conv2d`` as the oracle: shapes, conv parameters, dtypes,
+layouts, bias, input gradient, and deliberately broken arguments.
+
+For every drawn case: where F.conv2d accepts the arguments, ours must too and match it (output, and the
+gradients of input, weight and bias against autograd through F.conv2d); where F.conv2d rejects them, ours must
+raise a Python exception of its own (ValueError / TypeError naming the argument, message starting with
+``convbias`` or ``conv_bias2d``), never crash, hang or return a result. The seed makes every run draw the same
+cases; a failure names its case number, and ``FUZZ_CASES`` / ``FUZZ_SEED`` change the count and the draw.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import HAS_CUDA, MODES, assert_close, math_mode
+
+from torch_convbias import conv_bias2d
+
+CASES = int(os.environ.get("FUZZ_CASES", "2000"))
+SEED = int(os.environ.get("FUZZ_SEED", "20261202"))
+
+CPU_DTYPES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16"}
+CUDA_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+OUR_ERRORS = (ValueError, TypeError)
+
+
+@dataclass
+class Case:
+    """One call: tensor shapes and how the tensors are laid out, conv parameters, and what is deliberately broken."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    k: int
+    kh: int
+    kw: int
+    groups: int
+    stride: Any
+    padding: Any
+    dilation: Any
+    dtype: torch.dtype
+    layout: str  # "contiguous", "channels_last" or "strided" (a non-contiguous view)
+    bias: bool
+    input_grad: bool
+    # What is broken on purpose (None for a valid draw) and the tensors' overrides that break it.
+    broken: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def draw(rng: random.Random, dtypes: dict[torch.dtype, str]) -> Case:
+    groups = rng.choice([1, 1, 1, 2, 3, 4])
+    case = Case(
+        n=rng.randint(1, 3),
+        c=groups * rng.randint(1, 3),
+        h=rng.randint(1, 10),
+        w=rng.randint(1, 10),
+        k=groups * rng.randint(1, 3),
+        kh=rng.randint(1, 4),
+        kw=rng.randint(1, 4),
+        groups=groups,
+        stride=rng.choice([1, 2, 3, (1, 2), (2, 1)]),
+        padding=rng.choice([0, 1, 2, (0, 1), (2, 0), "same", "valid"]),
+        dilation=rng.choice([1, 1, 2, (1, 2), 3]),
+        dtype=rng.choice(list(dtypes)),
+        layout=rng.choice(["contiguous", "channels_last", "strided"]),
+        bias=rng.random() < 0.8,
+        input_grad=rng.random() < 0.4,
+    )
+    if case.padding == "same" and case.stride != 1:
+        case.stride = 1  # a valid draw; strided 'same' is among the broken ones below
+    return breakage(rng, case) if rng.random() < 0.3 else case
+
+
+# name -> how to break a valid case (F.conv2d then rejects it; ours must too).
+BREAKAGES = {
+    "kernel-larger-than-padded-input": lambda rng, c: replace(c, h=1, w=1, kh=3, kw=3, padding=0, dilation=1),
+    "groups-not-dividing-channels": lambda rng, c: replace(c, groups=2, c=3, k=4),
+    "negative-padding": lambda rng, c: replace(c, padding=-1),
+    "zero-stride": lambda rng, c: replace(c, stride=0),
+    "zero-dilation": lambda rng, c: replace(c, dilation=(1, 0)),
+    "strided-same-padding": lambda rng, c: replace(c, stride=2, padding="same"),
+    "unknown-padding-string": lambda rng, c: replace(c, padding="full"),
+    "weight-in-channels": lambda rng, c: replace(c, overrides={"weight_in": c.c // c.groups + 1}),
+    "bias-shape": lambda rng, c: replace(c, bias=True, overrides={"bias_len": c.k + 1}),
+    "weight-dtype": lambda rng, c: replace(c, overrides={"weight_dtype": torch.float64 if c.dtype != torch.float64 else torch.float32}),
+    "integer-input": lambda rng, c: replace(c, overrides={"int_input": True}),
+    "weight-rank": lambda rng, c: replace(c, overrides={"weight_rank3": True}),
+    "input-rank-5": lambda rng, c: replace(c, overrides={"input_rank5": True}),
+}
+
+
+def breakage(rng: random.Random, case: Case) -> Case:
+    name = rng.choice(sorted(BREAKAGES))
+    return replace(BREAKAGES[name](rng, case), broken=name)
+
+
+def laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "channels_last" and t.dim() == 4:
+        return t.contiguous(memory_format=torch.channels_last)
+    if layout == "strided":
+        # The same values as a non-contiguous view: every other element of a tensor twice as wide.
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+    return t
+
+
+def tensors(case: Case, device: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    o = case.overrides
+    weight_in = o.get("weight_in", case.c // case.groups)
+    x = torch.randn(case.n, case.c, case.h, case.w, generator=gen, dtype=torch.float64)
+    w = torch.randn(case.k, weight_in, case.kh, case.kw, generator=gen, dtype=torch.float64) / (weight_in * case.kh * case.kw) ** 0.5
+    b = torch.randn(o.get("bias_len", case.k), generator=gen, dtype=torch.float64) if case.bias else None
+    x = x.to(device, torch.int64 if o.get("int_input") else case.dtype)
+    w = w.to(device, o.get("weight_dtype", case.dtype))
+    b = b.to(device, case.dtype) if b is not None else None
+    if o.get("weight_rank3"):
+        w = w[0]
+    if o.get("input_rank5"):
+        x = x.unsqueeze(0)
+    x, w = laid_out(x, case.layout), laid_out(w, case.layout)
+    if case.input_grad and x.is_floating_point():
+        x.requires_grad_()
+    w.requires_grad_(w.is_floating_point())
+    if b is not None:
+        b.requires_grad_()
+    return x, w, b
+
+
+def call(fn: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, case: Case, dilation: Any = None) -> torch.Tensor:
+    dilation = case.dilation if dilation is None else dilation
+    return fn(x, w, b, stride=case.stride, padding=case.padding, dilation=dilation, groups=case.groups)
+
+
+def oracle_dilation(case: Case, w: torch.Tensor) -> Any:
+    """The dilation F.conv2d gets on the CPU: 1 along a kernel axis of size 1, where every dilation gives the same
+    convolution (ATen's CPU convolution segfaults on a larger one there with channels_last tensors, torch 2.14.1).
+    Broken dilations (< 1, not a pair) are passed as they are."""
+    pair = [case.dilation] * 2 if isinstance(case.dilation, int) else list(case.dilation)
+    if w.dim() != 4 or len(pair) != 2 or min(pair) < 1:
+        return case.dilation
+    return [1 if w.shape[2 + d] == 1 else pair[d] for d in range(2)]
+
+
+def oracle_leaf(t: torch.Tensor | None) -> torch.Tensor | None:
+    """What F.conv2d gets on the CPU: 16-bit tensors as float32 leaves. ATen's CPU convolution segfaults on some
+    valid 16-bit problems (torch 2.14.1; see csrc/cpu/reference_kernels.cpp, whose workarounds this mirrors), which
+    would end the run; in float32 the oracle gives what a float32-accumulating 16-bit convolution rounds to."""
+    if t is None or t.dtype not in (torch.float16, torch.bfloat16):
+        return t
+    return t.detach().float().requires_grad_(t.requires_grad)
+
+
+def grads(out: torch.Tensor, seed: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    return list(torch.autograd.grad(out, params, seed, allow_unused=True))
+
+
+def run_case(number: int, case: Case, device: str, dtypes: dict[torch.dtype, str]) -> str:
+    """Checks one case; returns 'valid' or 'rejected' for the counts."""
+    gen = torch.Generator().manual_seed(SEED + number)
+    x, w, b = tensors(case, device, gen)
+    ox, ow, ob = (oracle_leaf(t) for t in (x, w, b)) if device == "cpu" else (x, w, b)
+    try:
+        expected = call(F.conv2d, ox, ow, ob, case, oracle_dilation(case, w) if device == "cpu" else None)
+    except Exception:  # noqa: BLE001 - whatever F.conv2d rejects, ours must reject with its own error
+        with pytest.raises(OUR_ERRORS) as info:
+            call(conv_bias2d, x, w, b, case)
+        message = str(info.value)
+        assert message.startswith(("convbias", "conv_bias2d")), f"case {number} {case}: unclear error: {message}"
+        return "rejected"
+    mode = MODES[dtypes[case.dtype]]
+    actual = call(conv_bias2d, x, w, b, case)
+    assert actual.shape == expected.shape and actual.dtype == case.dtype, f"case {number} {case}: {actual.dtype}"
+    assert_close(actual.detach(), expected.detach().to(case.dtype), mode, f"case {number} {case}: output")
+    names = [name for name, t in (("input", x), ("weight", w), ("bias", b)) if t is not None and t.requires_grad]
+    ours = [t for t in (x, w, b) if t is not None and t.requires_grad]
+    theirs = [t for t in (ox, ow, ob) if t is not None and t.requires_grad]
+    seed = torch.randn(expected.shape, generator=gen, dtype=torch.float64).to(device, case.dtype)
+    for name, got, want in zip(names, grads(actual, seed, ours), grads(expected, seed.to(expected.dtype), theirs)):
+        assert_close(got, want.to(case.dtype) if want is not None else None, mode, f"case {number} {case}: grad {name}")
+    return "valid"
+
+
+def fuzz(device: str, dtypes: dict[torch.dtype, str]) -> dict[str, int]:
+    rng = random.Random(SEED)
+    counts = {"valid": 0, "rejected": 0}
+    for number in range(CASES):
+        case = draw(rng, dtypes)
+        with math_mode(MODES[dtypes[case.dtype]]):
+            counts[run_case(number, case, device, dtypes)] += 1
+    return counts
+
+
+def test_fuzz_cpu(record_property: Any) -> None:
+    counts = fuzz("cpu", CPU_DTYPES)
+    record_property("fuzz_counts", counts)
+    print(f"fuzz cpu: {CASES} cases, {counts}")
+    # Both kinds drawn in numbers, so neither side of the property went untested.
+    assert counts["valid"] >= CASES * 2 // 5 and counts["rejected"] >= CASES // 10, counts
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_fuzz_cuda(record_property: Any) -> None:
+    counts = fuzz("cuda", CUDA_DTYPES)
+    record_property("fuzz_counts", counts)
+    print(f"fuzz cuda: {CASES} cases, {counts}")
+    assert counts["valid"] >= CASES * 2 // 5 and counts["rejected"] >= CASES // 10, counts
+
+
+# Problems on which ATen's CPU convolution (torch 2.14.1) segfaults, found by the fuzzing above: ours must run
+# them (csrc/cpu/reference_kernels.cpp, csrc/autograd.cpp) and match a float64 NCHW oracle.
+CRASHERS = {
+    "channels-last-dilated-unit-kernel-fp32": (torch.float32, "channels_last", (3, 3, 5, 1), (3, 3, 3, 1), (1, 2), (0, 1), (1, 2)),
+    "channels-last-dilated-unit-kernel-bf16": (torch.bfloat16, "channels_last", (3, 3, 5, 1), (3, 3, 3, 1), (1, 2), (0, 1), (1, 2)),
+    "bf16-nchw-dilation-3": (torch.bfloat16, "contiguous", (1, 2, 2, 7), (2, 2, 4, 3), (1, 1), (4, 3), (3, 3)),
+    "bf16-input-grad-dilation-3": (torch.bfloat16, "contiguous", (1, 3, 1, 10), (3, 3, 2, 2), (1, 1), (2, 0), (3, 3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CRASHERS))
+def test_cpu_problems_that_crash_aten_run(name: str) -> None:
+    dtype, layout, x_shape, w_shape, stride, padding, dilation = CRASHERS[name]
+    gen = torch.Generator().manual_seed(0)
+    x64, w64, b64 = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in (x_shape, w_shape, (w_shape[0],)))
+    x, w, b = (laid_out(t.to(dtype), layout).requires_grad_() for t in (x64, w64, b64))
+    out = conv_bias2d(x, w, b, stride=stride, padding=padding, dilation=dilation)
+    # The oracle: float64, NCHW, and dilation 1 along kernel axes of size 1 (the same convolution).
+    unit = [1 if w_shape[2 + d] == 1 else dilation[d] for d in range(2)]
+    refs = [t.detach().double().contiguous().requires_grad_() for t in (x, w, b)]
+    expected = F.conv2d(*refs, stride=stride, padding=padding, dilation=unit)
+    mode = MODES[{torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]]
+    assert_close(out.detach(), expected.detach().to(dtype), mode, f"{name}: output")
+    seed = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
+    for t_name, got, want in zip(("input", "weight", "bias"), grads(out, seed.to(dtype), [x, w, b]), grads(expected, seed, refs)):
+        assert_close(got, want.to(dtype), mode, f"{name}: grad {t_name}")
