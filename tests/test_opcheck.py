@@ -93,3 +93,32 @@ def test_ops_are_registered_with_expected_schema() -> None:
     assert "(Tensor? grad_weight, Tensor? grad_bias)" in str(torch.ops.convbias.param_grad.default._schema)
     info = torch_convbias.versions()
     assert info["cudnn_compiled"].startswith("9.") and info["cudnn_frontend"].startswith("1.")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_dynamic_batch_compiles_once(device: str) -> None:
+    """fullgraph with a dynamic batch: one graph serves every batch size (the fake kernels take SymInts)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    model = SmallNet().to(device)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=counter)
+    for batch in (2, 3, 7):
+        x = torch.randn(batch, 3, 12, 12, device=device)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    assert counter.frame_count == 1, counter.frame_count
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_export_with_dynamic_batch(device: str) -> None:
+    """torch.export keeps convbias.forward as an op in the graph and the exported program runs other batches."""
+    torch.manual_seed(0)
+    model = SmallNet().to(device).eval()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(model, (torch.randn(4, 3, 12, 12, device=device),), dynamic_shapes={"x": {0: batch}})
+    assert "convbias.forward" in str(program.graph)
+    for n in (1, 5):
+        x = torch.randn(n, 3, 12, 12, device=device)
+        torch.testing.assert_close(program.module()(x), model(x), rtol=1e-4, atol=1e-4)
