@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import HAS_CUDA, MODES, assert_close, math_mode
+from conftest import DEVICES, HAS_CUDA, MODES, assert_close, math_mode
 
 from torch_convbias import conv_bias2d
 
@@ -188,13 +188,58 @@ def run_case(number: int, case: Case, device: str, dtypes: dict[torch.dtype, str
     return "valid"
 
 
-def fuzz(device: str, dtypes: dict[torch.dtype, str]) -> dict[str, int]:
+def pair(value: Any) -> list[int]:
+    return [value, value] if isinstance(value, int) else list(value)
+
+
+def run_param_grad_case(number: int, case: Case, device: str, dtypes: dict[torch.dtype, str]) -> str:
+    """``convbias.param_grad`` called directly with a case's tensors and a grad_output that is right or, for one
+    case in three, of a wrong shape or dtype. Right calls (the forward valid for F.conv2d, numeric padding) must
+    match ATen's convolution_backward; wrong ones must raise our own ValueError/TypeError."""
+    if case.padding == "valid":
+        case = replace(case, padding=0)  # the same convolution; the op takes numbers only
+    gen = torch.Generator().manual_seed(SEED + number)
+    x, w, _ = tensors(case, device, gen)
+    x, w = x.detach(), w.detach()
+    numeric = not isinstance(case.padding, str)
+    try:
+        if not numeric:
+            raise ValueError("padding strings are conv_bias2d's, not the op's")
+        out_shape = list(F.conv2d(oracle_leaf(x), oracle_leaf(w), None, case.stride, case.padding, oracle_dilation(case, w), case.groups).shape)
+        forward_valid = True
+    except Exception:  # noqa: BLE001 - an invalid forward makes every param_grad call invalid
+        forward_valid, out_shape = False, [case.n, case.k, max(case.h, 1), max(case.w, 1)]
+    flaw = ["none", "none", "shape", "dtype"][int(torch.randint(4, (1,), generator=gen))]
+    if flaw == "shape":
+        out_shape = [*out_shape[:-1], out_shape[-1] + 1]
+    dtype = case.dtype if flaw != "dtype" else (torch.float64 if case.dtype != torch.float64 else torch.float32)
+    grad_output = laid_out(torch.randn(out_shape, generator=gen, dtype=torch.float64).to(device, dtype), case.layout)
+    args = (grad_output, x, w, pair(case.stride), pair(case.padding) if numeric else [0, 0], pair(case.dilation), case.groups, [True, True])
+    if not (forward_valid and numeric and flaw == "none"):
+        if not numeric:
+            return "skipped"
+        with pytest.raises(OUR_ERRORS) as info:
+            torch.ops.convbias.param_grad(*args)
+        assert str(info.value).startswith("convbias"), f"case {number} {case} ({flaw}): unclear error: {info.value}"
+        return "rejected"
+    grad_weight, grad_bias = torch.ops.convbias.param_grad(*args)
+    ref = torch.ops.aten.convolution_backward(
+        oracle_leaf(grad_output).detach(), oracle_leaf(x).detach(), oracle_leaf(w).detach(), [case.k], pair(case.stride),
+        pair(case.padding), oracle_dilation(case, w), False, [0, 0], case.groups, [False, True, True],
+    )  # fmt: skip
+    mode = MODES[dtypes[case.dtype]]
+    assert_close(grad_weight, ref[1].to(case.dtype), mode, f"case {number} {case}: param_grad weight")
+    assert_close(grad_bias, ref[2].to(case.dtype), mode, f"case {number} {case}: param_grad bias")
+    return "valid"
+
+
+def fuzz(device: str, dtypes: dict[torch.dtype, str], check: Any = run_case) -> dict[str, int]:
     rng = random.Random(SEED)
-    counts = {"valid": 0, "rejected": 0}
+    counts = {"valid": 0, "rejected": 0, "skipped": 0}
     for number in range(CASES):
         case = draw(rng, dtypes)
         with math_mode(MODES[dtypes[case.dtype]]):
-            counts[run_case(number, case, device, dtypes)] += 1
+            counts[check(number, case, device, dtypes)] += 1
     return counts
 
 
@@ -204,6 +249,14 @@ def test_fuzz_cpu(record_property: Any) -> None:
     print(f"fuzz cpu: {CASES} cases, {counts}")
     # Both kinds drawn in numbers, so neither side of the property went untested.
     assert counts["valid"] >= CASES * 2 // 5 and counts["rejected"] >= CASES // 10, counts
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fuzz_param_grad(device: str, record_property: Any) -> None:
+    counts = fuzz(device, CPU_DTYPES if device == "cpu" else CUDA_DTYPES, check=run_param_grad_case)
+    record_property("fuzz_counts", counts)
+    print(f"fuzz param_grad {device}: {CASES} cases, {counts}")
+    assert counts["valid"] >= CASES // 8 and counts["rejected"] >= CASES // 4, counts
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
