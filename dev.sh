@@ -10,8 +10,8 @@
 #                    BENCHES="param_grad bias_grad" picks benchmarks (forward param_grad layerwise bias_grad
 #                    overhead demo)
 #
-# setup installs only what is missing: on a fresh CPU machine with PyPI, torch 2.14.1, pytest, scikit-learn
-# and the cuDNN frontend headers; on a machine that already has them (a GPU box without network, with
+# setup installs only what is missing: on a fresh CPU machine with PyPI, torch 2.14.1, pytest, scikit-learn,
+# cmake and the cuDNN frontend headers; on a machine that already has them (a GPU box without network, with
 # CUDNN_FRONTEND_INCLUDE_DIR pointing at carried headers) it installs nothing and only builds.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -27,6 +27,7 @@ setup() {
   has_module torch || missing+=("torch==$TORCH_VERSION")
   has_module pytest || missing+=(pytest)
   has_module sklearn || missing+=(scikit-learn)
+  command -v cmake >/dev/null 2>&1 || missing+=(cmake)  # tests/test_libtorch_example.py builds a C++ program
   if [ -z "${CUDNN_FRONTEND_INCLUDE_DIR:-}" ] && ! has_dist nvidia-cudnn-frontend; then
     missing+=("nvidia-cudnn-frontend==$FRONTEND_VERSION")
   fi

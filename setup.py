@@ -91,7 +91,8 @@ pick_cuda_home()
 pick_cxx_compiler()
 pick_cuda_arch_list()
 
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 
 def cuda_home() -> Path:
@@ -207,27 +208,61 @@ def cudnn_link_args(lib_dir: Path) -> list[str]:
     ]
 
 
-def extension() -> CUDAExtension:
+def torch_rpath_args() -> list[str]:
+    """Where the op library finds libtorch and libc10 at run time without Python (which loads them first): the
+    torch it was built against, and a torch installed next to torch_convbias."""
+    torch_lib = Path(torch.__file__).resolve().parent / "lib"
+    return [f"-Wl,-rpath,{torch_lib}", "-Wl,-rpath,$ORIGIN/../torch/lib"]
+
+
+def op_library() -> CUDAExtension:
+    """``torch_convbias/libtorch_convbias.so``: the operators and their kernels (everything in csrc/ but csrc/python/).
+
+    Not a Python module: ``torch_convbias/__init__.py`` loads it with ``torch.ops.load_library``, and LibTorch
+    programs link it (examples/libtorch/). So it must not depend on Python: torch_python, which CUDAExtension adds
+    for Python modules, is left out.
+    """
     cudnn_include, cudnn_lib = cudnn_dirs()
     frontend_include = cudnn_frontend_include()
     # Last, so that a full toolkit's headers win over the wheel's when both exist.
     extra_includes = [str(nvrtc_include())]
-    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*") if p.suffix in {".cpp", ".cu"})
+    sources = sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "csrc").rglob("*")
+        if p.suffix in {".cpp", ".cu"} and PYTHON_SOURCES not in p.parents
+    )
     debug = os.environ.get("TORCH_CONVBIAS_DEBUG_BUILD") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
-    return CUDAExtension(
-        name="torch_convbias._C",
+    library = CUDAExtension(
+        name="torch_convbias.libtorch_convbias",
         sources=sources,
         include_dirs=[str(ROOT / "csrc"), str(cudnn_include), str(frontend_include), *extra_includes],
         # The C++ standard is left to torch (C++17 or C++20 depending on its version).
         extra_compile_args={"cxx": opt, "nvcc": opt},
-        extra_link_args=cudnn_link_args(cudnn_lib) + nvrtc_link_args(),
+        extra_link_args=cudnn_link_args(cudnn_lib) + nvrtc_link_args() + torch_rpath_args(),
+        py_limited_api=False,
+    )
+    library.libraries = [name for name in library.libraries if name != "torch_python"]
+    return library
+
+
+def python_module() -> CppExtension:
+    """``torch_convbias/_C.so``: the Python entry points (csrc/python/), calling the operators through the
+    dispatcher (csrc/convbias.h), so it needs no link to the op library."""
+    return CppExtension(
+        name="torch_convbias._C",
+        sources=sorted(str(p.relative_to(ROOT)) for p in PYTHON_SOURCES.rglob("*.cpp")),
+        include_dirs=[str(ROOT / "csrc")],
+        extra_compile_args={"cxx": ["-O3"]},
         py_limited_api=False,
     )
 
 
+PYTHON_SOURCES = ROOT / "csrc" / "python"
+
 setup(
     packages=find_packages(include=["torch_convbias", "torch_convbias.*"]),
-    ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    ext_modules=[op_library(), python_module()],
+    # No ABI tag in the file names: libtorch_convbias.so is a plain shared library that C++ programs link.
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True, no_python_abi_suffix=True)},
 )

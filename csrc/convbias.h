@@ -1,5 +1,5 @@
 // Public C++ API of torch_convbias for LibTorch programs (no Python needed): link against the library
-// (torch_convbias/_C*.so) and call these. They go through the PyTorch dispatcher, so they run the same
+// (torch_convbias/libtorch_convbias.so; examples/libtorch/ shows how) and call these. They go through the PyTorch dispatcher, so they run the same
 // kernels, autocast and autograd as torch.ops.convbias.* from Python.
 #pragma once
 

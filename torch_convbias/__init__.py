@@ -12,13 +12,19 @@ Public API:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+# The operators live in libtorch_convbias.so (loading it registers torch.ops.convbias.*; LibTorch programs link
+# the same file); _C holds the Python entry points.
+LIBRARY_PATH = Path(__file__).with_name("libtorch_convbias.so")
 try:
-    from . import _C  # noqa: F401  (registers torch.ops.convbias.*)
-except ImportError as error:  # pragma: no cover - only when the extension was not built
+    torch.ops.load_library(str(LIBRARY_PATH))
+    from . import _C  # noqa: F401
+except (ImportError, OSError) as error:  # pragma: no cover - only when the extension was not built
     raise ImportError(
-        f"torch_convbias: the compiled extension torch_convbias._C could not be loaded ({error}). "
+        f"torch_convbias: the compiled library could not be loaded ({error}). "
         "Build it against the installed torch (see README.md: `./dev.sh setup`)."
     ) from error
 

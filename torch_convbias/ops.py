@@ -1,7 +1,8 @@
 """Python-side registrations of the convbias ops: fake kernels and autograd.
 
-The schemas and the CPU/CUDA/autocast kernels are registered in C++ (``csrc/``); importing ``torch_convbias._C``
-loads them. This module adds what torch.compile and autograd need:
+The schemas and the CPU/CUDA/autocast kernels are registered in C++ (``csrc/``); loading
+``torch_convbias/libtorch_convbias.so`` (``torch_convbias/__init__.py`` does) registers them. This module adds
+what torch.compile and autograd need:
 
 * fake kernels (``torch.library.register_fake``) giving the output's shape, dtype, device and memory format;
 * ``setup_context``/``backward`` for :class:`torch_convbias.ConvBiasFunction`.

@@ -1,5 +1,6 @@
-// Makes the library importable as the Python module torch_convbias._C. Importing it runs the static
-// TORCH_LIBRARY registrations; everything is reached through torch.ops, except one eager shortcut below.
+// The Python module torch_convbias._C: Python entry points only. The operators are registered by
+// libtorch_convbias.so (loaded first by torch_convbias/__init__.py) and reached through the dispatcher
+// (csrc/convbias.h), so this module does not link that library; everything else goes through torch.ops.
 //
 // _forward_eager(input, weight, bias, stride, padding, dilation, groups): convbias::forward through the C++
 // dispatcher, for ConvBias2d's eager calls. A call through torch.ops matches its Python arguments against the
