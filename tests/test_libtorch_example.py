@@ -8,6 +8,7 @@ import glob
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,17 +41,34 @@ def cmake_args() -> list[str]:
     return args
 
 
+def find_cmake() -> str | None:
+    """cmake on PATH, else the one the cmake wheel installs (next to this interpreter, or in the package)."""
+    found = shutil.which("cmake") or shutil.which("cmake", path=str(Path(sys.executable).parent))
+    if found is None:
+        try:
+            import cmake  # type: ignore[import-not-found]
+
+            found = shutil.which("cmake", path=cmake.CMAKE_BIN_DIR)
+        except ImportError:
+            return None
+    return found
+
+
+CMAKE = find_cmake()
+
+
 def run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, timeout=600, **kwargs)  # type: ignore[call-overload]
 
 
-@pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake (./dev.sh setup installs it)")
+@pytest.mark.skipif(CMAKE is None, reason="needs cmake (./dev.sh setup installs it where it can)")
 def test_libtorch_program_links_the_library_and_runs(tmp_path: Path) -> None:
     assert torch_convbias.LIBRARY_PATH.is_file()
     build = tmp_path / "build"
-    configure = run(["cmake", "-S", str(ROOT / "examples" / "libtorch"), "-B", str(build), *cmake_args()])
+    assert CMAKE is not None
+    configure = run([CMAKE, "-S", str(ROOT / "examples" / "libtorch"), "-B", str(build), *cmake_args()])
     assert configure.returncode == 0, configure.stdout[-3000:] + configure.stderr[-3000:]
-    compiled = run(["cmake", "--build", str(build), "-j", "2"])
+    compiled = run([CMAKE, "--build", str(build), "-j", "2"])
     assert compiled.returncode == 0, compiled.stdout[-3000:] + compiled.stderr[-3000:]
     result = run([str(build / "convbias_example")])
     assert result.returncode == 0, result.stdout + result.stderr
