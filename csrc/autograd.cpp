@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include "convbias.h"
+#include "reference.h"
 
 namespace convbias {
 namespace {
@@ -16,9 +17,8 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The input gradient: ATen's convolution backward. On the CPU 16-bit problems run in float32, rounded once: ATen's
-// 16-bit CPU convolution segfaults on some valid problems (torch 2.14.1, tests/test_fuzz.py; the reference kernels
-// in csrc/cpu/reference_kernels.cpp do the same for the forward and the parameter gradients).
+// The input gradient: ATen's convolution backward; on the CPU 16-bit problems run in float32, rounded once
+// (cpu_computable in reference.h says why).
 at::Tensor input_gradient(
     const at::Tensor& grad_output,
     const at::Tensor& input,
@@ -27,12 +27,11 @@ at::Tensor input_gradient(
     c10::SymIntArrayRef padding,
     c10::SymIntArrayRef dilation,
     const c10::SymInt& groups) {
-  const bool upcast = input.is_cpu() && (input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16);
-  const auto computable = [upcast](const at::Tensor& t) { return upcast ? t.to(at::kFloat) : t; };
-  at::Tensor grad_input = std::get<0>(at::convolution_backward_symint(
-      computable(grad_output), computable(input), computable(weight), std::nullopt, stride, padding, dilation,
-      /*transposed=*/false, c10::SymIntArrayRef({c10::SymInt(0), c10::SymInt(0)}), groups, {true, false, false}));
-  return upcast ? grad_input.to(input.scalar_type()) : grad_input;
+  const at::Tensor grad_input = std::get<0>(at::convolution_backward_symint(
+      cpu_computable(grad_output), cpu_computable(input), cpu_computable(weight), std::nullopt, stride, padding,
+      dilation, /*transposed=*/false, c10::SymIntArrayRef({c10::SymInt(0), c10::SymInt(0)}), groups,
+      {true, false, false}));
+  return grad_input.to(input.scalar_type());
 }
 
 class ForwardFunction : public torch::autograd::Function<ForwardFunction> {

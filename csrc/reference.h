@@ -10,6 +10,12 @@
 
 namespace convbias {
 
+// `t` as ATen's CPU convolutions can take it: float32 for a bfloat16/half CPU tensor (rounded back by the caller),
+// else `t` itself. ATen's 16-bit CPU convolution segfaults on some valid problems (torch 2.14.1, found by
+// tests/test_fuzz.py: e.g. a bf16 NCHW input 1x2x2x7, kernel 4x3, padding (4, 3), dilation 3), and it accumulates
+// in float32 anyway. Used by the reference kernels and by the input gradient (autograd.cpp).
+at::Tensor cpu_computable(const at::Tensor& t);
+
 at::Tensor forward_reference(
     const at::Tensor& input,
     const at::Tensor& weight,

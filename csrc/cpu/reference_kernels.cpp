@@ -10,22 +10,20 @@ namespace convbias {
 namespace {
 
 // ATen's CPU convolution (torch 2.14.1) segfaults on some valid problems, found by tests/test_fuzz.py; nn.Conv2d
-// crashes on them too. Two kinds, each avoided here without changing the result:
-// - a dilation > 1 along a kernel axis of size 1 on channels_last tensors (e.g. input 3x3x5x1, kernel 3x1,
-//   stride (1, 2), padding (0, 1), dilation (1, 2), with bias in float32, without in bfloat16). Along such an axis
-//   every dilation gives the same convolution, so 1 is passed there;
-// - bfloat16/half problems such as an NCHW input 1x2x2x7, kernel 4x3, padding (4, 3), dilation 3. 16-bit
-//   convolutions run in float32, rounded once at the end, as ATen's CPU kernels accumulate in float32 anyway.
-at::Tensor computable(const at::Tensor& t) {
-  const auto dtype = t.scalar_type();
-  return dtype == at::kHalf || dtype == at::kBFloat16 ? t.to(at::kFloat) : t;
-}
-
+// crashes on them too. Two kinds, each avoided without changing the result: 16-bit problems (cpu_computable, in
+// reference.h), and a dilation > 1 along a kernel axis of size 1 on channels_last tensors (e.g. input 3x3x5x1,
+// kernel 3x1, stride (1, 2), padding (0, 1), dilation (1, 2), with bias in float32, without in bfloat16). Along
+// such an axis every dilation gives the same convolution, so 1 is passed there.
 std::array<int64_t, 2> effective_dilation(const at::Tensor& weight, at::IntArrayRef dilation) {
   return {weight.size(2) == 1 ? 1 : dilation[0], weight.size(3) == 1 ? 1 : dilation[1]};
 }
 
 } // namespace
+
+at::Tensor cpu_computable(const at::Tensor& t) {
+  const auto dtype = t.scalar_type();
+  return t.is_cpu() && (dtype == at::kHalf || dtype == at::kBFloat16) ? t.to(at::kFloat) : t;
+}
 
 at::Tensor forward_reference(
     const at::Tensor& input,
@@ -36,10 +34,11 @@ at::Tensor forward_reference(
     at::IntArrayRef dilation,
     int64_t groups) {
   check_forward_args(input, weight, bias, stride, padding, dilation, groups);
-  const std::optional<at::Tensor> bias_computable = bias ? std::optional<at::Tensor>(computable(*bias)) : std::nullopt;
+  const std::optional<at::Tensor> bias_computable =
+      bias ? std::optional<at::Tensor>(cpu_computable(*bias)) : std::nullopt;
   at::Tensor out = at::convolution(
-      computable(input), computable(weight), bias_computable, stride, padding, effective_dilation(weight, dilation),
-      false, {0, 0}, groups);
+      cpu_computable(input), cpu_computable(weight), bias_computable, stride, padding,
+      effective_dilation(weight, dilation), false, {0, 0}, groups);
   out = out.to(input.scalar_type());
   // ATen's backends agree on this format in the common cases; pin it so that the fake kernel can promise it.
   return out.contiguous(output_memory_format(input, weight));
@@ -60,14 +59,14 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_refe
   }
   const std::vector<int64_t> bias_sizes{weight.size(0)};
   auto [unused_grad_input, grad_weight, grad_bias] = at::convolution_backward(
-      computable(grad_output), computable(input), computable(weight), bias_sizes, stride, padding,
-      effective_dilation(weight, dilation), /*transposed=*/false,
-      /*output_padding=*/{0, 0}, groups, {false, output_mask[0], output_mask[1]});
+      cpu_computable(grad_output), cpu_computable(input), cpu_computable(weight), bias_sizes, stride, padding,
+      effective_dilation(weight, dilation), /*transposed=*/false, /*output_padding=*/{0, 0}, groups,
+      {false, output_mask[0], output_mask[1]});
   std::optional<at::Tensor> weight_result;
   std::optional<at::Tensor> bias_result;
   if (output_mask[0]) {
-    weight_result = grad_weight.to(weight.scalar_type()).contiguous(is_channels_last(weight) ? at::MemoryFormat::ChannelsLast
-                                                                    : at::MemoryFormat::Contiguous);
+    const auto format = is_channels_last(weight) ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+    weight_result = grad_weight.to(weight.scalar_type()).contiguous(format);
   }
   if (output_mask[1]) {
     bias_result = grad_bias.to(weight.scalar_type()).contiguous();
