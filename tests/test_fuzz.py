@@ -193,8 +193,8 @@ def pair(value: Any) -> list[int]:
 
 
 def run_param_grad_case(number: int, case: Case, device: str, dtypes: dict[torch.dtype, str]) -> str:
-    """``convbias.param_grad`` called directly with a case's tensors and a grad_output that is right or, for one
-    case in three, of a wrong shape or dtype. Right calls (the forward valid for F.conv2d, numeric padding) must
+    """``convbias.param_grad`` called directly with a case's tensors and a grad_output that is right or, for half
+    of the cases, of a wrong shape or dtype. Right calls (the forward valid for F.conv2d, numeric padding) must
     match ATen's convolution_backward; wrong ones must raise our own ValueError/TypeError."""
     if case.padding == "valid":
         case = replace(case, padding=0)  # the same convolution; the op takes numbers only
