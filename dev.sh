@@ -8,7 +8,7 @@
 #                    on the GPU machine: setup, then the doctor and the CUDA tests (tests), every benchmark and
 #                    the demo on cuda (bench), or both (all); logs and results into DIR (`./dev.sh gpu $OUT tests`);
 #                    BENCHES="param_grad bias_grad" picks benchmarks (forward param_grad layerwise bias_grad
-#                    overhead demo)
+#                    overhead demo; also stress_memory, not in the default list)
 #
 # setup installs only what is missing: on a fresh CPU machine with PyPI, torch 2.14.1, pytest, scikit-learn,
 # cmake and the cuDNN frontend headers; on a machine that already has them (a GPU box without network, with
@@ -69,6 +69,7 @@ case "${1:-}" in
             "$PYTHON" -m "bench.bench_$name" --plot --out "$out" > "/tmp/bench_$name.log" 2>&1 || status=1
             grep -A12 "summary" "/tmp/bench_$name.log" | grep -v "^plot\|^results" | head -14 ;;
           bias_grad|overhead) "$PYTHON" -m "bench.bench_$name" --out "$out" 2>&1 | tail -6 || status=1 ;;
+          stress_memory) TORCH_CONVBIAS_CACHE_SIZE=${TORCH_CONVBIAS_CACHE_SIZE:-64} "$PYTHON" -m bench.stress_memory --out "$out" 2>&1 | tail -4 || status=1 ;;
           demo) "$PYTHON" examples/layerwise_digits.py --device cuda 2>&1 | tail -8 || status=1 ;;
           *) echo "dev.sh: unknown benchmark '$name'"; status=1 ;;
         esac

@@ -153,3 +153,15 @@ def test_bias_grad_bench_says_it_needs_a_gpu(capsys: pytest.CaptureFixture[str])
 
     assert bench_bias_grad.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_stress_memory_smoke(tmp_path: Path) -> None:
+    """bench/stress_memory.py on the CPU: samples at the requested interval, a verdict, the JSON written."""
+    from bench import stress_memory
+
+    assert stress_memory.main(["--device", "cpu", "--calls", "40", "--every", "20", "--pool", "6", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("stress_memory-*.json")
+    results = json.loads(path.read_text())
+    assert [s["calls"] for s in results["samples"]] == [0, 20, 40]
+    assert all(s["max_rss_mib"] > 0 for s in results["samples"])
+    assert results["verdict"]["cache_bounded"] is True and results["verdict"]["allocated_bounded"] is None
