@@ -328,11 +328,7 @@ def time_variants(
 
 def ratios(spec: Spec, timings: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
     """The spec's ratios of median times; None where a side was not measured."""
-    out: dict[str, float | None] = {}
-    for name, (num, den) in spec.ratios.items():
-        a, b = timings.get(num), timings.get(den)
-        out[name] = a["median_ms"] / b["median_ms"] if a and b and b["median_ms"] > 0 else None
-    return out
+    return {name: ratio(timings, num, den) for name, (num, den) in spec.ratios.items()}
 
 
 # Throughput figures (common.time_back_to_back): calls queued per sample, samples per variant.
