@@ -4,11 +4,12 @@
 #   ./dev.sh setup   install what is missing, then build the extension in place
 #   ./dev.sh test    setup, then run the test suite
 #   ./dev.sh demo    setup, then run the layer-by-layer training demo
-#   ./dev.sh gpu DIR [all|tests|bench]
+#   ./dev.sh gpu DIR [all|tests|bench|sanitize]
 #                    on the GPU machine: setup, then the doctor and the CUDA tests (tests), every benchmark and
-#                    the demo on cuda (bench), or both (all); logs and results into DIR (`./dev.sh gpu $OUT tests`);
+#                    the demo on cuda (bench), or both (all), or compute-sanitizer's memcheck, racecheck and synccheck
+#                    over bench/sanitize_workload.py (sanitize); logs and results into DIR (`./dev.sh gpu $OUT tests`);
 #                    BENCHES="param_grad bias_grad" picks benchmarks (forward param_grad layerwise bias_grad
-#                    overhead demo; also stress_memory, not in the default list)
+#                    overhead demo; also stress_memory and cold_start, not in the default list)
 #
 # setup installs only what is missing: on a fresh CPU machine with PyPI, torch 2.14.1, pytest, scikit-learn,
 # cmake and the cuDNN frontend headers; on a machine that already has them (a GPU box without network, with
@@ -69,6 +70,7 @@ case "${1:-}" in
             "$PYTHON" -m "bench.bench_$name" --plot --out "$out" > "/tmp/bench_$name.log" 2>&1 || status=1
             grep -A12 "summary" "/tmp/bench_$name.log" | grep -v "^plot\|^results" | head -14 ;;
           bias_grad|overhead) "$PYTHON" -m "bench.bench_$name" --out "$out" 2>&1 | tail -6 || status=1 ;;
+          cold_start) "$PYTHON" -m bench.bench_cold_start --out "$out" 2>&1 | tail -14 || status=1 ;;
           stress_memory) TORCH_CONVBIAS_CACHE_SIZE=${TORCH_CONVBIAS_CACHE_SIZE:-64} "$PYTHON" -m bench.stress_memory --out "$out" 2>&1 | tail -4 || status=1 ;;
           demo) "$PYTHON" examples/layerwise_digits.py --device cuda 2>&1 | tail -8 || status=1 ;;
           *) echo "dev.sh: unknown benchmark '$name'"; status=1 ;;
@@ -76,6 +78,24 @@ case "${1:-}" in
       done
       # The full tables (engines, paths) in one file: the device tool returns few files.
       tar czf "$out/bench-logs.tgz" -C /tmp $(cd /tmp && ls bench_*.log 2>/dev/null) 2>/dev/null || true
+    fi
+    if [ "$phase" = sanitize ]; then
+      # compute-sanitizer over bench/sanitize_workload.py: memcheck (out-of-bounds and misaligned accesses, all
+      # kernels), racecheck and synccheck (shared-memory races and barrier misuse) on one thread's calls. Each tool
+      # is bounded (SANITIZE_TIMEOUT seconds): the sanitizer slows cuDNN's kernels 10-100x.
+      : > "$out/sanitize.log"
+      for tool in memcheck racecheck synccheck; do
+        args=()
+        args=(--quick)
+        [ "$tool" = memcheck ] && args=(--threads 2 --rounds 1)
+        echo "== compute-sanitizer --tool $tool" >> "$out/sanitize.log"
+        rc=0
+        timeout "${SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 3 \
+          "$PYTHON" -m bench.sanitize_workload "${args[@]}" >> "$out/sanitize.log" 2>&1 || rc=$?
+        echo "== $tool exit $rc" >> "$out/sanitize.log"
+        [ $rc -eq 0 ] || status=1
+      done
+      grep -E "^== |ERROR SUMMARY|sanitize_workload:" "$out/sanitize.log" || true
     fi
     exit $status ;;
   *) sed -n '2,11p' "$0"; exit 2 ;;

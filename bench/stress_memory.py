@@ -124,7 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = {
         "schema": SCHEMA,
         "environment": environment(),
-        "config": {**vars(args), "cache_size_env": os.environ.get("TORCH_CONVBIAS_CACHE_SIZE")},
+        "config": {**vars(args), "cache_size_env": os.environ.get("TORCH_CONVBIAS_CACHE_SIZE"),
+                   "autotune_env": os.environ.get("TORCH_CONVBIAS_AUTOTUNE")},
         "samples": samples,
         "verdict": verdict(samples, capacity, args.tolerance_mib),
     }

@@ -92,8 +92,12 @@ def explain_param_grad(
 
 def cache_info() -> dict[str, float]:
     """Plan cache statistics: hits, misses, evictions, size (= forward_plans + weight_grad_plans +
-    bias_grad_plans), capacity (TORCH_CONVBIAS_CACHE_SIZE, per kind of plan), and build_seconds (time spent
-    building and timing plans)."""
+    bias_grad_plans), capacity (TORCH_CONVBIAS_CACHE_SIZE, per kind of plan), build_seconds (time spent
+    building and timing plans, or loading them from disk), workspace_fallbacks (calls that ran a lower-workspace
+    plan because their plan's workspace could not be allocated), and the persistent plan cache's counters
+    (TORCH_CONVBIAS_PLAN_CACHE_DIR): disk_enabled, disk_hits (plans loaded instead of built), disk_misses (no
+    file for a key), disk_writes (plans stored) and disk_rejected (files found but not used: corrupted,
+    truncated, written for another GPU / cuDNN / frontend or problem, or not rebuilt by cuDNN)."""
     return json.loads(torch.ops.convbias._plan_cache_stats())
 
 

@@ -7,6 +7,7 @@
 
 #include "cuda/graph_common.h"
 #include "cuda/plan_cache.h"
+#include "cuda/plan_store.h"
 
 namespace convbias::cuda {
 namespace {
@@ -54,7 +55,7 @@ PlanKey key_of(const at::Tensor& dy, const MathFlags& flags) {
   PlanKey key;
   key.fields = {3, // graph kind: bias-gradient reduction
                 static_cast<int64_t>(dy.scalar_type()),
-                dy.device().index(),
+                dy.device().index(), // fields[2]: the device (plan_store::load leaves it out)
                 dy.size(0),
                 dy.size(1),
                 dy.size(2),
@@ -65,22 +66,57 @@ PlanKey key_of(const at::Tensor& dy, const MathFlags& flags) {
   return key;
 }
 
+std::optional<plan_store::Json> plan_record(const ReductionPlan& plan) {
+  plan_store::Json r{{"failure", plan.failure}, {"graph", nullptr}};
+  if (plan.graph) {
+    auto graph = plan_store::graph_record(*plan.graph, plan.engine);
+    if (!graph) {
+      return std::nullopt;
+    }
+    r["graph"] = std::move(*graph);
+  }
+  return r;
+}
+
+std::shared_ptr<const ReductionPlan> plan_from_record(const plan_store::Json& r) {
+  auto plan = std::make_shared<ReductionPlan>();
+  plan->failure = r.at("failure").get<std::string>();
+  if (!r.at("graph").is_null()) {
+    auto loaded = plan_store::load_graph(r.at("graph"), &plan->failure);
+    if (!loaded) {
+      return nullptr;
+    }
+    plan->graph = loaded->graph;
+    plan->engine = loaded->engine;
+  }
+  return plan;
+}
+
+std::shared_ptr<const ReductionPlan> build_plan(const at::Tensor& dy, const MathFlags& flags) {
+  auto plan = std::make_shared<ReductionPlan>();
+  SelectionPolicy policy = default_policy(dy.scalar_type(), flags);
+  // The one engine that takes the graph notes TENSOR_CORE; for a reduction that is not TF32 rounding.
+  policy.float32_io = false;
+  const at::Tensor db = at::empty({dy.size(1)}, dy.options().dtype(at::kFloat));
+  GraphAttempt attempt = build_graph_plan(
+      [&](cudnnHandle_t handle, std::string* why) { return make_graph(dy, handle, why); }, policy,
+      VariantPack{{kDY, dy.data_ptr()}, {kDB, db.data_ptr()}}, dy.device(), [&] { return describe(dy); });
+  plan->graph = attempt.graph;
+  plan->engine = attempt.engine;
+  plan->failure = attempt.failure;
+  return plan;
+}
+
 std::shared_ptr<const ReductionPlan> plan_for(const at::Tensor& dy) {
   const MathFlags flags = current_math_flags();
-  return cache().get_or_build(key_of(dy, flags), [&] {
-    auto plan = std::make_shared<ReductionPlan>();
-    SelectionPolicy policy = default_policy(dy.scalar_type(), flags);
-    // The one engine that takes the graph notes TENSOR_CORE; for a reduction that is not TF32 rounding.
-    policy.float32_io = false;
-    const at::Tensor db = at::empty({dy.size(1)}, dy.options().dtype(at::kFloat));
-    GraphAttempt attempt = build_graph_plan(
-        [&](cudnnHandle_t handle, std::string* why) { return make_graph(dy, handle, why); }, policy,
-        VariantPack{{kDY, dy.data_ptr()}, {kDB, db.data_ptr()}}, dy.device(), [&] { return describe(dy); });
-    plan->graph = attempt.graph;
-    plan->engine = attempt.engine;
-    plan->failure = attempt.failure;
-    return plan;
-  }, nullptr);
+  const PlanKey key = key_of(dy, flags);
+  return cache().get_or_build(
+      key,
+      [&] {
+        return plan_store::load_or_build<ReductionPlan>(
+            "bias_grad", key, &plan_from_record, [&] { return build_plan(dy, flags); }, &plan_record);
+      },
+      nullptr);
 }
 
 } // namespace

@@ -8,6 +8,7 @@
 #include "cuda/forward_setup.h"
 #include "cuda/bias_grad.h"
 #include "cuda/bias_reduction.h"
+#include "cuda/plan_store.h"
 #include "cuda/wgrad.h"
 #include "json.h"
 
@@ -42,6 +43,7 @@ std::string engine_json(const cuda::EngineChoice& e) {
       .str("name", e.engine)
       .num("workspace_bytes", e.workspace_bytes)
       .boolean("runtime_compiled", e.runtime_compiled)
+      .boolean("from_disk", e.from_disk)
       .num("build_seconds", e.build_seconds)
       .num("measured_ms", e.measured_ms)
       .num("heuristic_candidates", e.heuristic_candidates)
@@ -49,6 +51,11 @@ std::string engine_json(const cuda::EngineChoice& e) {
       .num("built", e.built)
       .raw("timings", timings_json(e.timings))
       .strings("rejected", e.rejected)
+      .raw(
+          "fallback",
+          e.fallback_plan_index < 0
+              ? "null"
+              : JsonObject().str("name", e.fallback_engine).num("workspace_bytes", e.fallback_workspace_bytes).dump())
       .dump();
 }
 
@@ -158,6 +165,7 @@ std::string plan_cache_stats() {
   const cuda::CacheStats forward = s;
   const cuda::CacheStats w = cuda::wgrad_cache().stats();
   const cuda::CacheStats r = cuda::bias_reduction_cache_stats();
+  const cuda::plan_store::StoreStats disk = cuda::plan_store::stats();
   for (const cuda::CacheStats* other : {&w, &r}) {
     s.hits += other->hits;
     s.misses += other->misses;
@@ -175,6 +183,12 @@ std::string plan_cache_stats() {
       .num("bias_grad_plans", r.size)
       .num("capacity", s.capacity)
       .num("build_seconds", s.build_seconds)
+      .num("workspace_fallbacks", cuda::workspace_fallbacks())
+      .boolean("disk_enabled", cuda::plan_store::enabled())
+      .num("disk_hits", disk.hits)
+      .num("disk_misses", disk.misses)
+      .num("disk_writes", disk.writes)
+      .num("disk_rejected", disk.rejected)
       .dump();
 }
 

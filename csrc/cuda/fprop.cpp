@@ -2,8 +2,11 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <iterator>
 #include <sstream>
 
+#include "cuda/plan_store.h"
 #include "reference.h"
 
 namespace convbias::cuda {
@@ -148,10 +151,12 @@ std::shared_ptr<FpropPlan> build_graph_path(
     plan->graph = a.graph;
     plan->engine = a.engine;
   };
-  if (fused_ok && unfused_ok) {
-    // Time both complete paths on these tensors: fused graph vs conv graph + ATen bias add.
-    at::Tensor workspace = at::empty(
-        {std::max(fused->engine.workspace_bytes, unfused->engine.workspace_bytes)}, x.options().dtype(at::kByte));
+  // Time both complete paths on these tensors: fused graph vs conv graph + ATen bias add (when their workspace
+  // can be allocated: else the fused graph is taken unmeasured).
+  const at::Tensor workspace = fused_ok && unfused_ok
+      ? try_workspace(std::max(fused->engine.workspace_bytes, unfused->engine.workspace_bytes), x.options())
+      : at::Tensor();
+  if (workspace.defined()) {
     auto fused_pack = variant_pack(x, w, b, y, true);
     auto conv_pack = variant_pack(x, w, b, y, false);
     const at::Tensor bias_view = b->view({1, -1, 1, 1});
@@ -288,6 +293,72 @@ std::shared_ptr<const FpropPlan> build_plan(
   return build_nchw_plan(p, x, w, b);
 }
 
+// The persistent plan cache's record of a plan: its decisions and, for a graph path, the graph's plans.
+std::optional<plan_store::Json> plan_record(const FpropPlan& plan) {
+  plan_store::Json r{
+      {"path", path_name(plan.path)},
+      {"via_channels_last", plan.via_channels_last != nullptr},
+      {"tuned", plan.tuned},
+      {"fused_ms", plan.fused_ms},
+      {"unfused_ms", plan.unfused_ms},
+      {"graph_ms", plan.graph_ms},
+      {"aten_ms", plan.aten_ms},
+      {"notes", plan.notes},
+      {"layout_timings", plan_store::timings_json(plan.layout_timings)}};
+  if (!plan.via_channels_last && plan.path != FpropPath::Aten) {
+    auto graph = plan_store::graph_record(*plan.graph, plan.engine);
+    if (!graph) {
+      return std::nullopt;
+    }
+    r["graph"] = std::move(*graph);
+  }
+  return r;
+}
+
+// The plan a record describes, or null when it does not fit the problem or cuDNN does not rebuild its graph. A
+// plan that ran via channels_last copies looks up (or loads, or builds) the channels_last plan it runs.
+std::shared_ptr<const FpropPlan> plan_from_record(
+    const plan_store::Json& r, const FpropProblem& p, const at::Tensor& x, const at::Tensor& w,
+    const std::optional<at::Tensor>& b) {
+  const std::string path = r.at("path").get<std::string>();
+  const FpropPath paths[] = {FpropPath::Fused, FpropPath::Conv, FpropPath::ConvThenBiasAdd, FpropPath::Aten};
+  const auto* found = std::find_if(std::begin(paths), std::end(paths), [&](FpropPath c) { return path == path_name(c); });
+  if (found == std::end(paths) || (*found != FpropPath::Aten && (*found == FpropPath::Conv) == p.has_bias)) {
+    return nullptr;
+  }
+  std::shared_ptr<FpropPlan> plan;
+  if (r.at("via_channels_last").get<bool>()) {
+    if (p.channels_last) {
+      return nullptr;
+    }
+    constexpr auto cl = at::MemoryFormat::ChannelsLast;
+    auto via = fprop_plan(p.as_channels_last(), x.contiguous(cl), w.contiguous(cl), b);
+    plan = std::make_shared<FpropPlan>(*via);
+    plan->via_channels_last = via;
+  } else {
+    plan = std::make_shared<FpropPlan>();
+    plan->path = *found;
+    if (plan->path != FpropPath::Aten) {
+      std::string why;
+      auto loaded = plan_store::load_graph(r.at("graph"), &why);
+      if (!loaded) {
+        return nullptr;
+      }
+      plan->graph = loaded->graph;
+      plan->engine = loaded->engine;
+    }
+  }
+  plan->tuned = r.at("tuned").get<bool>();
+  plan->fused_ms = r.at("fused_ms").get<float>();
+  plan->unfused_ms = r.at("unfused_ms").get<float>();
+  plan->graph_ms = r.at("graph_ms").get<float>();
+  plan->aten_ms = r.at("aten_ms").get<float>();
+  plan->notes = r.at("notes").get<std::vector<std::string>>();
+  plan->notes.push_back("loaded from the persistent plan cache");
+  plan->layout_timings = plan_store::timings_from(r.at("layout_timings"));
+  return plan;
+}
+
 } // namespace
 
 const char* path_name(FpropPath path) {
@@ -306,7 +377,7 @@ PlanKey FpropProblem::key() const {
   f.reserve(40);
   f.push_back(1); // graph kind: forward
   f.push_back(static_cast<int64_t>(dtype));
-  f.push_back(device);
+  f.push_back(device); // fields[2]: the device (plan_store::load leaves it out)
   f.push_back(channels_last);
   for (const auto* dims : {&x_dims, &w_dims, &y_dims}) {
     f.insert(f.end(), dims->begin(), dims->end());
@@ -369,8 +440,15 @@ FpropProblem make_problem(
 std::shared_ptr<const FpropPlan> fprop_plan(
     const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
     bool* was_cached, double* build_seconds) {
+  const PlanKey key = problem.key();
   return fprop_cache().get_or_build(
-      problem.key(), [&] { return build_plan(problem, x, w, b); }, build_seconds, was_cached);
+      key,
+      [&] {
+        return plan_store::load_or_build<FpropPlan>(
+            "forward", key, [&](const plan_store::Json& r) { return plan_from_record(r, problem, x, w, b); },
+            [&] { return build_plan(problem, x, w, b); }, &plan_record);
+      },
+      build_seconds, was_cached);
 }
 
 at::Tensor run_fprop(

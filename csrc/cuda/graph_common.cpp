@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -117,7 +118,57 @@ void add_unoffered_engines(fe::graph::Graph& graph, EngineChoice& choice) {
   }
 }
 
+// The lower-workspace plan for `choice` (see EngineChoice::fallback_plan_index): the built plan needing the least
+// workspace, or, when every built one needs some, the first further precompiled candidate that builds needing none
+// (precompiled plans build in microseconds; a few are tried, never runtime-compiled ones, which cost seconds).
+void choose_fallback(
+    fe::graph::Graph& graph,
+    EngineChoice& choice,
+    const std::vector<int64_t>& built,
+    const std::function<int64_t(int64_t)>& workspace_of) {
+  constexpr int kFurtherCandidates = 16;
+  int64_t best = -1;
+  int64_t best_bytes = choice.workspace_bytes;
+  for (const int64_t index : built) {
+    if (const int64_t bytes = workspace_of(index); bytes < best_bytes) {
+      best = index;
+      best_bytes = bytes;
+    }
+  }
+  const int64_t count = graph.get_execution_plan_count();
+  int tried = 0;
+  for (int64_t i = 0; (best < 0 || best_bytes > 0) && i < count && tried < kFurtherCandidates; ++i) {
+    if (std::find(built.begin(), built.end(), i) != built.end() || is_runtime_compiled(graph, i)) {
+      continue;
+    }
+    ++tried;
+    if (graph.build_plan_at_index(i).is_good() && workspace_of(i) < best_bytes) {
+      best = i;
+      best_bytes = workspace_of(i);
+    }
+  }
+  if (best >= 0) {
+    choice.fallback_plan_index = best;
+    choice.fallback_workspace_bytes = best_bytes;
+    (void)graph.get_plan_name_at_index(best, choice.fallback_engine);
+  }
+}
+
+std::atomic<int64_t> workspace_fallback_count{0};
+
 } // namespace
+
+int64_t workspace_fallbacks() {
+  return workspace_fallback_count.load();
+}
+
+at::Tensor try_workspace(int64_t bytes, const at::TensorOptions& options) {
+  try {
+    return at::empty({bytes}, options.dtype(at::kByte));
+  } catch (const c10::OutOfMemoryError&) {
+    return at::Tensor();
+  }
+}
 
 bool stream_is_capturing() {
   return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
@@ -258,6 +309,9 @@ EngineChoice select_engine(
   }
   (void)graph.get_plan_name_at_index(choice.plan_index, choice.engine);
   choice.workspace_bytes = workspace_of(choice.plan_index);
+  if (choice.workspace_bytes > 0) {
+    choose_fallback(graph, choice, built, workspace_of);
+  }
   choice.runtime_compiled = is_runtime_compiled(graph, choice.plan_index);
   choice.build_seconds = seconds_since(start);
   return choice;
@@ -281,11 +335,42 @@ void execute_plan(
     VariantPack& pack,
     const at::TensorOptions& options,
     const std::function<std::string()>& what) {
-  at::Tensor workspace;
-  if (engine.workspace_bytes > 0) {
-    workspace = at::empty({engine.workspace_bytes}, options.dtype(at::kByte));
+  if (engine.workspace_bytes == 0) {
+    execute_graph(graph, engine.plan_index, nullptr, pack, what);
+    return;
   }
-  execute_graph(graph, engine.plan_index, workspace.defined() ? workspace.data_ptr() : nullptr, pack, what);
+  std::string allocator_message;
+  try {
+    at::Tensor workspace = at::empty({engine.workspace_bytes}, options.dtype(at::kByte));
+    execute_graph(graph, engine.plan_index, workspace.data_ptr(), pack, what);
+    return;
+  } catch (const c10::OutOfMemoryError& e) {
+    allocator_message = e.what_without_backtrace();
+  }
+  const bool has_fallback = engine.fallback_plan_index >= 0;
+  TORCH_CHECK_WITH(
+      OutOfMemoryError, has_fallback && knobs().workspace_fallback, "convbias: out of memory allocating the ",
+      engine.workspace_bytes, "-byte workspace of the ", what(), " (engine ", engine.engine, "), and ",
+      has_fallback ? "TORCH_CONVBIAS_WORKSPACE_FALLBACK=off forbids running its lower-workspace plan"
+                   : "no plan needing less workspace builds for it",
+      ". Free GPU memory (or use smaller tensors) and call again. The allocator said: ", allocator_message);
+  fe::graph::Graph& fallback_graph = engine.fallback_graph ? *engine.fallback_graph : graph;
+  at::Tensor workspace;
+  if (engine.fallback_workspace_bytes > 0) {
+    try {
+      workspace = at::empty({engine.fallback_workspace_bytes}, options.dtype(at::kByte));
+    } catch (const c10::OutOfMemoryError& e) {
+      TORCH_CHECK_WITH(
+          OutOfMemoryError, false, "convbias: out of memory allocating the workspace of the ", what(), ": neither the ",
+          engine.workspace_bytes, " bytes of its engine (", engine.engine, ") nor the ", engine.fallback_workspace_bytes,
+          " bytes of its lowest-workspace plan (", engine.fallback_engine,
+          ") could be allocated. Free GPU memory (or use smaller tensors) and call again. The allocator said: ",
+          e.what_without_backtrace());
+    }
+  }
+  ++workspace_fallback_count;
+  execute_graph(
+      fallback_graph, engine.fallback_plan_index, workspace.defined() ? workspace.data_ptr() : nullptr, pack, what);
 }
 
 GraphAttempt build_graph_plan(

@@ -50,6 +50,7 @@ struct EngineChoice {
   std::string engine; // cuDNN's plan name: engine id and knob choices
   int64_t workspace_bytes = 0;
   bool runtime_compiled = false;
+  bool from_disk = false; // loaded from the persistent plan cache (then build_seconds is the load's time)
   double build_seconds = 0; // heuristics query and plan builds
   float measured_ms = -1; // best timing, when candidates were timed
   int64_t heuristic_candidates = 0; // engine configs offered: heuristics' and the sweep's (before note filters)
@@ -57,6 +58,14 @@ struct EngineChoice {
   int64_t built = 0; // plans that built
   std::vector<std::string> rejected; // why candidates were dropped (first few)
   std::vector<std::pair<std::string, float>> timings; // (engine, ms) of each timed candidate
+  // The plan run instead when the chosen plan's workspace cannot be allocated (execute_plan): the precompiled
+  // plan needing the least workspace, less than the chosen one's. Index -1: none (the chosen plan needs no
+  // workspace, or no plan needing less builds). `fallback_graph` holds it when it is not in the chosen plan's
+  // graph (a plan loaded from disk: one plan per deserialized graph).
+  int64_t fallback_plan_index = -1;
+  int64_t fallback_workspace_bytes = 0;
+  std::string fallback_engine;
+  std::shared_ptr<fe::graph::Graph> fallback_graph;
 };
 
 struct SelectionPolicy {
@@ -149,13 +158,23 @@ void execute_graph(
     const std::function<std::string()>& what);
 
 // Runs `engine`'s plan of `graph` like execute_graph, with a workspace of the plan's size from the caching
-// allocator (none when the plan needs none): what every per-call execution does.
+// allocator (none when the plan needs none): what every per-call execution does. When that allocation fails, the
+// engine's lower-workspace fallback plan runs instead (counted in workspace_fallbacks()); without one (or with
+// TORCH_CONVBIAS_WORKSPACE_FALLBACK=off) it raises c10::OutOfMemoryError (torch.OutOfMemoryError) naming the graph,
+// the engine and the bytes asked for.
 void execute_plan(
     fe::graph::Graph& graph,
     const EngineChoice& engine,
     VariantPack& pack,
     const at::TensorOptions& options,
     const std::function<std::string()>& what);
+
+// How many calls ran their engine's lower-workspace fallback plan because a workspace allocation failed.
+int64_t workspace_fallbacks();
+
+// A workspace of `bytes` for timing candidates, or an undefined tensor when the allocation fails (out of memory):
+// a measurement is skipped rather than failing the call that builds the plan.
+at::Tensor try_workspace(int64_t bytes, const at::TensorOptions& options);
 
 // Throws a c10::Error describing `what` (which graph, its shapes) with the frontend's and cuDNN's messages.
 [[noreturn]] void throw_graph_error(const std::string& what, fe::error_t status, const std::string& hint);

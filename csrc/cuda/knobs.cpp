@@ -46,6 +46,12 @@ const Knobs& knobs() {
     TORCH_CHECK_VALUE(
         result.nchw == "auto" || result.nchw == "graph" || result.nchw == "copy" || result.nchw == "aten",
         "TORCH_CONVBIAS_NCHW must be auto, graph, copy or aten, got '", result.nchw, "'");
+    const std::string fallback = env_or("TORCH_CONVBIAS_WORKSPACE_FALLBACK", "on");
+    TORCH_CHECK_VALUE(
+        fallback == "on" || fallback == "off", "TORCH_CONVBIAS_WORKSPACE_FALLBACK must be on or off, got '", fallback,
+        "'");
+    result.workspace_fallback = fallback == "on";
+    result.plan_cache_dir = env_or("TORCH_CONVBIAS_PLAN_CACHE_DIR", "");
     return result;
   }();
   return k;

@@ -14,6 +14,8 @@ struct Knobs {
   std::string param_grad; // TORCH_CONVBIAS_PARAM_GRAD: cudnn (conv_wgrad graph, default) | aten
   std::string bias_grad; // TORCH_CONVBIAS_BIAS_GRAD: kernel (ours, where it applies) | cudnn (reduction graph) | aten
   std::string nchw; // TORCH_CONVBIAS_NCHW: auto (measure) | graph | copy | aten: how NCHW tensors run
+  bool workspace_fallback; // TORCH_CONVBIAS_WORKSPACE_FALLBACK: on (default) | off: raise when a workspace fails
+  std::string plan_cache_dir; // TORCH_CONVBIAS_PLAN_CACHE_DIR: persistent plan cache directory ("" = none)
 };
 const Knobs& knobs();
 

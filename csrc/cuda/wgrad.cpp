@@ -4,6 +4,7 @@
 
 #include "cuda/forward_setup.h"
 #include "cuda/knobs.h"
+#include "cuda/plan_store.h"
 
 #include <sstream>
 
@@ -44,10 +45,12 @@ std::shared_ptr<const WgradPlan> build_plan(
   }
   plan->graph = attempt.graph;
   plan->engine = attempt.engine;
-  if (policy.time_candidates) {
-    // ATen's weight gradient (nn.Conv2d's, on cuDNN's legacy API) is sometimes the faster one: measure both once
-    // per key and keep the faster, so that this path is never slower than nn.Conv2d's backward.
-    at::Tensor workspace = at::empty({plan->engine.workspace_bytes}, x.options().dtype(at::kByte));
+  // ATen's weight gradient (nn.Conv2d's, on cuDNN's legacy API) is sometimes the faster one: measure both once
+  // per key and keep the faster, so that this path is never slower than nn.Conv2d's backward (unmeasured, the
+  // graph, when its workspace cannot be allocated now).
+  const at::Tensor workspace =
+      policy.time_candidates ? try_workspace(plan->engine.workspace_bytes, x.options()) : at::Tensor();
+  if (workspace.defined()) {
     VariantPack pack = variant_pack(x, dy, dw);
     plan->graph_ms = time_on_stream([&] {
       execute_graph(*plan->graph, plan->engine.plan_index, workspace.data_ptr(), pack, [&] {
@@ -68,6 +71,36 @@ std::shared_ptr<const WgradPlan> build_plan(
   return plan;
 }
 
+std::optional<plan_store::Json> plan_record(const WgradPlan& plan) {
+  plan_store::Json r{{"graph_ms", plan.graph_ms}, {"aten_ms", plan.aten_ms}, {"notes", plan.notes}, {"graph", nullptr}};
+  if (plan.graph) {
+    auto graph = plan_store::graph_record(*plan.graph, plan.engine);
+    if (!graph) {
+      return std::nullopt;
+    }
+    r["graph"] = std::move(*graph);
+  }
+  return r;
+}
+
+std::shared_ptr<const WgradPlan> plan_from_record(const plan_store::Json& r) {
+  auto plan = std::make_shared<WgradPlan>();
+  if (!r.at("graph").is_null()) {
+    std::string why;
+    auto loaded = plan_store::load_graph(r.at("graph"), &why);
+    if (!loaded) {
+      return nullptr;
+    }
+    plan->graph = loaded->graph;
+    plan->engine = loaded->engine;
+  }
+  plan->graph_ms = r.at("graph_ms").get<float>();
+  plan->aten_ms = r.at("aten_ms").get<float>();
+  plan->notes = r.at("notes").get<std::vector<std::string>>();
+  plan->notes.push_back("loaded from the persistent plan cache");
+  return plan;
+}
+
 } // namespace
 
 PlanKey WgradProblem::key() const {
@@ -76,7 +109,7 @@ PlanKey WgradProblem::key() const {
   f.reserve(36);
   f.push_back(2); // graph kind: weight gradient
   f.push_back(static_cast<int64_t>(dtype));
-  f.push_back(device);
+  f.push_back(device); // fields[2]: the device (plan_store::load leaves it out)
   for (const auto* dims : {&x_dims, &dy_dims, &w_dims}) {
     f.insert(f.end(), dims->begin(), dims->end());
   }
@@ -136,8 +169,15 @@ WeightGradRoute route_weight_grad(
   p.params = params;
   p.alignments = {pointer_alignment(route.x), pointer_alignment(route.dy), pointer_alignment(route.dw)};
   p.flags = current_math_flags();
+  const PlanKey key = p.key();
   route.plan = wgrad_cache().get_or_build(
-      p.key(), [&] { return build_plan(p, route.x, route.dy, route.dw); }, &route.build_seconds, &route.was_cached);
+      key,
+      [&] {
+        return plan_store::load_or_build<WgradPlan>(
+            "weight_grad", key, &plan_from_record, [&] { return build_plan(p, route.x, route.dy, route.dw); },
+            &plan_record);
+      },
+      &route.build_seconds, &route.was_cached);
   return route;
 }
 

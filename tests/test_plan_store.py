@@ -1,0 +1,131 @@
+"""The persistent plan cache (TORCH_CONVBIAS_PLAN_CACHE_DIR): plans one process builds are loaded by the next
+instead of built, give the same engines and results, and files that are corrupted, truncated or unwritable are
+never trusted: rejected (counted), rebuilt and rewritten. Each step is its own process, as in real use."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import cuda
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Forward and param_grad of a few problems (channels_last fp32 3x3, bf16 1x1, NCHW fp32, fp16 without bias), each
+# checked against F.conv2d / autograd; prints the cache counters and each problem's engines as JSON.
+SCRIPT = r"""
+import json
+import torch
+import torch.nn.functional as F
+import torch_convbias
+
+torch.backends.cudnn.allow_tf32 = False
+cl, nchw = torch.channels_last, torch.contiguous_format
+PROBLEMS = [
+    (8, 32, 64, 16, 3, torch.float32, cl, True),
+    (16, 64, 64, 8, 1, torch.bfloat16, cl, True),
+    (4, 16, 32, 12, 3, torch.float32, nchw, True),
+    (8, 32, 32, 10, 3, torch.float16, cl, False),
+]
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+rows = []
+for n, c, k, hw, r, dtype, fmt, has_bias in PROBLEMS:
+    g = torch.Generator(device="cuda").manual_seed(n * 1000 + c)
+    x = torch.randn(n, c, hw, hw, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
+    w = (torch.randn(k, c, r, r, device="cuda", generator=g) / (c * r * r) ** 0.5).to(dtype).contiguous(memory_format=fmt)
+    b = torch.randn(k, device="cuda", generator=g).to(dtype) if has_bias else None
+    pad = r // 2
+    y = torch.ops.convbias.forward(x, w, b, [1, 1], [pad, pad], [1, 1], 1)
+    ref = F.conv2d(x.float(), w.float(), None if b is None else b.float(), padding=pad)
+    dy = torch.randn(y.shape, device="cuda", generator=g).to(dtype).contiguous(memory_format=y.suggest_memory_format())
+    gw, gb = torch.ops.convbias.param_grad(dy, x, w, [1, 1], [pad, pad], [1, 1], 1, [True, has_bias])
+    _, ref_w, ref_b = torch.ops.aten.convolution_backward(
+        dy.float(), x.float(), w.float(), [k], [1, 1], [pad, pad], [1, 1], False, [0, 0], 1, [False, True, has_bias])
+    errors = [((y.float() - ref).abs().max() / max(1.0, ref.abs().max())).item(),
+              ((gw.float() - ref_w).abs().max() / max(1.0, ref_w.abs().max())).item()]
+    if has_bias:
+        errors.append(((gb.float() - ref_b).abs().max() / max(1.0, ref_b.abs().max())).item())
+    fwd = torch_convbias.explain(x, w, b, padding=pad)
+    grad = torch_convbias.explain_param_grad(dy, x, w, padding=pad)["weight_grad"]
+    rows.append({
+        "ok": max(errors) <= TOL[dtype], "errors": errors, "path": fwd["path"],
+        "forward_engine": (fwd.get("engine") or {}).get("name"),
+        "forward_from_disk": (fwd.get("engine") or {}).get("from_disk"),
+        "weight_grad_engine": (grad.get("engine") or {}).get("name"),
+        "weight_grad_from_disk": (grad.get("engine") or {}).get("from_disk"),
+    })
+print(json.dumps({"cache": torch_convbias.cache_info(), "rows": rows}))
+"""
+
+
+def run(directory: Path, bias_grad: str) -> dict[str, Any]:
+    env = {**os.environ, "TORCH_CONVBIAS_PLAN_CACHE_DIR": str(directory), "TORCH_CONVBIAS_BIAS_GRAD": bias_grad}
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report["stderr"] = result.stderr
+    assert all(row["ok"] for row in report["rows"]), report["rows"]
+    return report
+
+
+def plan_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*.plan"))
+
+
+@cuda
+@pytest.mark.parametrize("bias_grad", ["kernel", "cudnn"])
+def test_plans_written_by_one_process_are_loaded_by_the_next(tmp_path: Path, bias_grad: str) -> None:
+    built = run(tmp_path, bias_grad)
+    first = built["cache"]
+    assert first["disk_enabled"] and first["disk_hits"] == 0 and first["disk_rejected"] == 0, first
+    files = plan_files(tmp_path)
+    # A forward and a weight-gradient plan per problem at least (NCHW may add its channels_last plan).
+    assert first["disk_writes"] == len(files) >= 8, (first, files)
+    if bias_grad == "cudnn":
+        assert any(f.name.startswith("bias_grad-") for f in files), files
+    # One folder per GPU model and library versions.
+    assert {f.parent.parent for f in files} == {tmp_path} and len({f.parent for f in files}) == 1, files
+
+    loaded = run(tmp_path, bias_grad)
+    second = loaded["cache"]
+    assert second["disk_hits"] == first["disk_writes"] and second["disk_writes"] == 0, second
+    # Only plans that could not be stored (none on the H200 so far) are looked up in vain again.
+    assert second["disk_rejected"] == 0 and second["disk_misses"] == first["disk_misses"] - first["disk_writes"], second
+    rows = loaded["rows"]
+    assert all(r["forward_from_disk"] in (True, None) and r["weight_grad_from_disk"] in (True, None) for r in rows), rows
+    # Loaded plans are the plans the first process chose.
+    chosen = [(r["path"], r["forward_engine"], r["weight_grad_engine"]) for r in built["rows"]]
+    assert [(r["path"], r["forward_engine"], r["weight_grad_engine"]) for r in rows] == chosen
+
+
+@cuda
+def test_corrupted_and_truncated_files_are_rejected_and_rewritten(tmp_path: Path) -> None:
+    written = run(tmp_path, "kernel")["cache"]["disk_writes"]
+    files = plan_files(tmp_path)
+    for i, path in enumerate(files):
+        data = bytearray(path.read_bytes())
+        if i % 2 == 0:
+            data[-1] ^= 0xFF  # one flipped bit pattern in the plan's bytes
+        else:
+            data = data[: len(data) // 2]  # a write cut short
+        path.write_bytes(bytes(data))
+    damaged = run(tmp_path, "kernel")
+    cache = damaged["cache"]
+    assert cache["disk_rejected"] == written and cache["disk_hits"] == 0 and cache["disk_writes"] == written, cache
+    assert "checksum mismatch" in damaged["stderr"], damaged["stderr"][-2000:]
+    # The rewritten files are good again.
+    assert run(tmp_path, "kernel")["cache"]["disk_hits"] == written
+
+
+@cuda
+def test_unwritable_directory_warns_and_still_computes(tmp_path: Path) -> None:
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("in the way")
+    report = run(not_a_directory, "kernel")
+    assert report["cache"]["disk_writes"] == 0 and report["cache"]["disk_hits"] == 0, report["cache"]
+    assert "persistent plan cache" in report["stderr"] and "cannot write" in report["stderr"], report["stderr"][-2000:]
