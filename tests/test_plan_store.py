@@ -42,7 +42,7 @@ for n, c, k, hw, r, dtype, fmt, has_bias in PROBLEMS:
     pad = r // 2
     y = torch.ops.convbias.forward(x, w, b, [1, 1], [pad, pad], [1, 1], 1)
     ref = F.conv2d(x.float(), w.float(), None if b is None else b.float(), padding=pad)
-    dy = torch.randn(y.shape, device="cuda", generator=g).to(dtype).contiguous(memory_format=y.suggest_memory_format())
+    dy = torch.empty_like(y).normal_(generator=g)  # y's layout
     gw, gb = torch.ops.convbias.param_grad(dy, x, w, [1, 1], [pad, pad], [1, 1], 1, [True, has_bias])
     _, ref_w, ref_b = torch.ops.aten.convolution_backward(
         dy.float(), x.float(), w.float(), [k], [1, 1], [pad, pad], [1, 1], False, [0, 0], 1, [False, True, has_bias])

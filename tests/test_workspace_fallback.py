@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_capped(fallback: str) -> dict[str, Any]:
-    env = {**os.environ, "TORCH_CONVBIAS_WORKSPACE_FALLBACK": fallback}
+    # The script imports torch_convbias from the checkout, as the tests do.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TORCH_CONVBIAS_WORKSPACE_FALLBACK": fallback, "PYTHONPATH": path}
     result = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "_workspace_oom.py")], env=env, cwd=ROOT, capture_output=True,
         text=True, timeout=600,
