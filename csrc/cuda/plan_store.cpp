@@ -286,12 +286,13 @@ std::optional<LoadedGraph> load_graph(const Json& record, std::string* why) {
   const Json& e = record.at("engine");
   EngineChoice& engine = loaded.engine;
   engine.plan_index = 0; // a deserialized graph holds one plan
-  (void)loaded.graph->get_plan_name_at_index(0, engine.engine);
-  (void)loaded.graph->get_workspace_size_plan_at_index(0, engine.workspace_bytes);
-  if (engine.engine != e.at("name").get<std::string>() ||
+  // Its name comes from the record: a deserialized graph has an execution plan but no engine configuration,
+  // which is what the frontend reads plan names from. The workspace comes from the rebuilt plan itself.
+  engine.engine = e.at("name").get<std::string>();
+  if (loaded.graph->get_workspace_size_plan_at_index(0, engine.workspace_bytes).is_bad() ||
       engine.workspace_bytes != e.at("workspace_bytes").get<int64_t>()) {
-    *why = "the rebuilt plan (" + engine.engine + ", " + std::to_string(engine.workspace_bytes) +
-        " bytes of workspace) is not the one recorded";
+    *why = "the rebuilt plan needs " + std::to_string(engine.workspace_bytes) + " bytes of workspace, not the " +
+        std::to_string(e.at("workspace_bytes").get<int64_t>()) + " recorded";
     return std::nullopt;
   }
   engine.runtime_compiled = e.at("runtime_compiled").get<bool>();
@@ -306,12 +307,11 @@ std::optional<LoadedGraph> load_graph(const Json& record, std::string* why) {
     std::string fallback_why;
     if (auto fallback = deserialize_plan(as_bytes(record.at("fallback")), &fallback_why)) {
       int64_t bytes = 0;
-      (void)fallback->get_workspace_size_plan_at_index(0, bytes);
-      if (bytes < engine.workspace_bytes) {
+      if (fallback->get_workspace_size_plan_at_index(0, bytes).is_good() && bytes < engine.workspace_bytes) {
         engine.fallback_graph = fallback;
         engine.fallback_plan_index = 0;
         engine.fallback_workspace_bytes = bytes;
-        (void)fallback->get_plan_name_at_index(0, engine.fallback_engine);
+        engine.fallback_engine = e.at("fallback_engine").get<std::string>();
       }
     }
   }
