@@ -91,11 +91,15 @@ def test_plans_written_by_one_process_are_loaded_by_the_next(tmp_path: Path, bia
     # One folder per GPU model and library versions.
     assert {f.parent.parent for f in files} == {tmp_path} and len({f.parent for f in files}) == 1, files
 
+    # Every plan built was stored (all serialize on the H200).
+    assert first["disk_writes"] == first["disk_misses"], first
     loaded = run(tmp_path, bias_grad)
     second = loaded["cache"]
-    assert second["disk_hits"] == first["disk_writes"] and second["disk_writes"] == 0, second
-    # Only plans that could not be stored (none on the H200 so far) are looked up in vain again.
-    assert second["disk_rejected"] == 0 and second["disk_misses"] == first["disk_misses"] - first["disk_writes"], second
+    # Every plan the second process needs comes from disk: none built, none written, none rejected. (It may need
+    # fewer than the first wrote: an NCHW problem whose stored choice is the NCHW graph no longer looks up the
+    # channels_last plan the first process built to compare with.)
+    assert second["disk_hits"] == second["misses"] >= len(built["rows"]), second
+    assert second["disk_writes"] == 0 and second["disk_misses"] == 0 and second["disk_rejected"] == 0, second
     rows = loaded["rows"]
     assert all(r["forward_from_disk"] in (True, None) and r["weight_grad_from_disk"] in (True, None) for r in rows), rows
     # Loaded plans are the plans the first process chose.
@@ -116,10 +120,13 @@ def test_corrupted_and_truncated_files_are_rejected_and_rewritten(tmp_path: Path
         path.write_bytes(bytes(data))
     damaged = run(tmp_path, "kernel")
     cache = damaged["cache"]
-    assert cache["disk_rejected"] == written and cache["disk_hits"] == 0 and cache["disk_writes"] == written, cache
+    # Every file looked up was damaged: each rejected, its plan rebuilt and the file rewritten.
+    assert cache["disk_rejected"] == cache["misses"] == cache["disk_writes"] > 0 and cache["disk_hits"] == 0, cache
+    assert cache["disk_rejected"] <= written, (cache, written)
     assert "checksum mismatch" in damaged["stderr"], damaged["stderr"][-2000:]
     # The rewritten files are good again.
-    assert run(tmp_path, "kernel")["cache"]["disk_hits"] == written
+    repaired = run(tmp_path, "kernel")["cache"]
+    assert repaired["disk_hits"] == repaired["misses"] and repaired["disk_rejected"] == 0, repaired
 
 
 @cuda
