@@ -67,29 +67,14 @@ PlanKey key_of(const at::Tensor& dy, const MathFlags& flags) {
 }
 
 std::optional<plan_store::Json> plan_record(const ReductionPlan& plan) {
-  plan_store::Json r{{"failure", plan.failure}, {"graph", nullptr}};
-  if (plan.graph) {
-    auto graph = plan_store::graph_record(*plan.graph, plan.engine);
-    if (!graph) {
-      return std::nullopt;
-    }
-    r["graph"] = std::move(*graph);
-  }
-  return r;
+  plan_store::Json r{{"failure", plan.failure}};
+  return plan_store::put_graph(r, plan.graph, plan.engine) ? std::optional(r) : std::nullopt;
 }
 
 std::shared_ptr<const ReductionPlan> plan_from_record(const plan_store::Json& r) {
   auto plan = std::make_shared<ReductionPlan>();
   plan->failure = r.at("failure").get<std::string>();
-  if (!r.at("graph").is_null()) {
-    auto loaded = plan_store::load_graph(r.at("graph"), &plan->failure);
-    if (!loaded) {
-      return nullptr;
-    }
-    plan->graph = loaded->graph;
-    plan->engine = loaded->engine;
-  }
-  return plan;
+  return plan_store::take_graph(r, plan->graph, plan->engine, &plan->failure) ? plan : nullptr;
 }
 
 std::shared_ptr<const ReductionPlan> build_plan(const at::Tensor& dy, const MathFlags& flags) {

@@ -305,14 +305,9 @@ std::optional<plan_store::Json> plan_record(const FpropPlan& plan) {
       {"aten_ms", plan.aten_ms},
       {"notes", plan.notes},
       {"layout_timings", plan_store::timings_json(plan.layout_timings)}};
-  if (!plan.via_channels_last && plan.path != FpropPath::Aten) {
-    auto graph = plan_store::graph_record(*plan.graph, plan.engine);
-    if (!graph) {
-      return std::nullopt;
-    }
-    r["graph"] = std::move(*graph);
-  }
-  return r;
+  // A plan run via channels_last copies stores its choice only: the channels_last plan is stored under its own key.
+  const bool own_graph = !plan.via_channels_last && plan.path != FpropPath::Aten;
+  return plan_store::put_graph(r, own_graph ? plan.graph : nullptr, plan.engine) ? std::optional(r) : std::nullopt;
 }
 
 // The plan a record describes, or null when it does not fit the problem or cuDNN does not rebuild its graph. A
@@ -338,14 +333,9 @@ std::shared_ptr<const FpropPlan> plan_from_record(
   } else {
     plan = std::make_shared<FpropPlan>();
     plan->path = *found;
-    if (plan->path != FpropPath::Aten) {
-      std::string why;
-      auto loaded = plan_store::load_graph(r.at("graph"), &why);
-      if (!loaded) {
-        return nullptr;
-      }
-      plan->graph = loaded->graph;
-      plan->engine = loaded->engine;
+    std::string why;
+    if (!plan_store::take_graph(r, plan->graph, plan->engine, &why) || (plan->path != FpropPath::Aten) != bool(plan->graph)) {
+      return nullptr;
     }
   }
   plan->tuned = r.at("tuned").get<bool>();

@@ -319,6 +319,33 @@ std::optional<LoadedGraph> load_graph(const Json& record, std::string* why) {
   return loaded;
 }
 
+bool put_graph(Json& record, const std::shared_ptr<fe::graph::Graph>& graph, const EngineChoice& engine) {
+  record["graph"] = nullptr;
+  if (!graph) {
+    return true;
+  }
+  auto stored = graph_record(*graph, engine);
+  if (!stored) {
+    return false;
+  }
+  record["graph"] = std::move(*stored);
+  return true;
+}
+
+bool take_graph(
+    const Json& record, std::shared_ptr<fe::graph::Graph>& graph, EngineChoice& engine, std::string* why) {
+  if (record.at("graph").is_null()) {
+    return true;
+  }
+  auto loaded = load_graph(record.at("graph"), why);
+  if (!loaded) {
+    return false;
+  }
+  graph = loaded->graph;
+  engine = loaded->engine;
+  return true;
+}
+
 StoreStats stats() {
   return StoreStats{hit_count.load(), miss_count.load(), write_count.load(), reject_count.load()};
 }

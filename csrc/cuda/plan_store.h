@@ -47,6 +47,14 @@ struct LoadedGraph {
 };
 std::optional<LoadedGraph> load_graph(const Json& record, std::string* why);
 
+// record["graph"] = graph_record(*graph, engine), or null without a graph; false when it cannot be serialized.
+bool put_graph(Json& record, const std::shared_ptr<fe::graph::Graph>& graph, const EngineChoice& engine);
+
+// record["graph"] rebuilt into `graph` and `engine` (left empty when it is null); false when cuDNN does not
+// rebuild it (`why` says so).
+bool take_graph(
+    const Json& record, std::shared_ptr<fe::graph::Graph>& graph, EngineChoice& engine, std::string* why);
+
 // (name, ms) timings as stored.
 Json timings_json(const std::vector<std::pair<std::string, float>>& timings);
 std::vector<std::pair<std::string, float>> timings_from(const Json& j);

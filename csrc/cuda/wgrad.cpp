@@ -72,27 +72,15 @@ std::shared_ptr<const WgradPlan> build_plan(
 }
 
 std::optional<plan_store::Json> plan_record(const WgradPlan& plan) {
-  plan_store::Json r{{"graph_ms", plan.graph_ms}, {"aten_ms", plan.aten_ms}, {"notes", plan.notes}, {"graph", nullptr}};
-  if (plan.graph) {
-    auto graph = plan_store::graph_record(*plan.graph, plan.engine);
-    if (!graph) {
-      return std::nullopt;
-    }
-    r["graph"] = std::move(*graph);
-  }
-  return r;
+  plan_store::Json r{{"graph_ms", plan.graph_ms}, {"aten_ms", plan.aten_ms}, {"notes", plan.notes}};
+  return plan_store::put_graph(r, plan.graph, plan.engine) ? std::optional(r) : std::nullopt;
 }
 
 std::shared_ptr<const WgradPlan> plan_from_record(const plan_store::Json& r) {
   auto plan = std::make_shared<WgradPlan>();
-  if (!r.at("graph").is_null()) {
-    std::string why;
-    auto loaded = plan_store::load_graph(r.at("graph"), &why);
-    if (!loaded) {
-      return nullptr;
-    }
-    plan->graph = loaded->graph;
-    plan->engine = loaded->engine;
+  std::string why;
+  if (!plan_store::take_graph(r, plan->graph, plan->engine, &why)) {
+    return nullptr;
   }
   plan->graph_ms = r.at("graph_ms").get<float>();
   plan->aten_ms = r.at("aten_ms").get<float>();
