@@ -58,14 +58,16 @@ def git_commit() -> dict[str, Any]:
     The GPU machine receives the tree without .git, so the commit can be handed over in the environment
     variable ``TORCH_CONVBIAS_COMMIT``; ``dirty`` is then unknown (None).
     """
+    # The variable first: a run builds from a tree handed over with its commit named (the GPU machine gets no .git,
+    # and a stale .git copied along would name another commit).
+    from_env = os.environ.get("TORCH_CONVBIAS_COMMIT")
+    if from_env:
+        return {"commit": from_env, "dirty": None, "commit_source": "env:TORCH_CONVBIAS_COMMIT"}
     # Only this repository's own .git: a tree copied inside some other checkout must not report that one's commit.
     commit = _git("rev-parse", "HEAD") if (REPO_ROOT / ".git").exists() else None
     if commit:
         status = _git("status", "--porcelain")
         return {"commit": commit, "dirty": bool(status) if status is not None else None, "commit_source": "git"}
-    from_env = os.environ.get("TORCH_CONVBIAS_COMMIT")
-    if from_env:
-        return {"commit": from_env, "dirty": None, "commit_source": "env:TORCH_CONVBIAS_COMMIT"}
     return {"commit": "unknown", "dirty": None, "commit_source": "unknown"}
 
 

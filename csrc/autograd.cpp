@@ -34,6 +34,12 @@ at::Tensor input_gradient(
   return grad_input.to(input.scalar_type());
 }
 
+// A tensor of `input`'s shape, dtype and device over a single element (stride 0): what param_grad needs of the
+// input when only the bias gradient is asked for (its checks read shapes; no kernel reads the data).
+at::Tensor input_stand_in(const at::Tensor& input) {
+  return at::zeros({}, input.options()).expand_symint(input.sym_sizes());
+}
+
 class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
  public:
   static at::Tensor forward(
@@ -45,7 +51,9 @@ class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
       c10::SymIntArrayRef padding,
       c10::SymIntArrayRef dilation,
       const c10::SymInt& groups) {
-    ctx->save_for_backward({input, weight});
+    // The input is needed for the weight gradient only: a frozen weight's layer keeps no activation alive. Without
+    // it, param_grad (bias gradient alone) gets a stand-in of the input's shape that owns one element.
+    ctx->save_for_backward({weight.requires_grad() ? input : input_stand_in(input), weight});
     ctx->saved_data["stride"] = stride;
     ctx->saved_data["padding"] = padding;
     ctx->saved_data["dilation"] = dilation;

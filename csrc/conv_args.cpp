@@ -1,5 +1,9 @@
 #include "conv_args.h"
 
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <c10/core/MemoryFormat.h>
+#include <c10/util/strides.h>
 #include <c10/util/Exception.h>
 
 #include <sstream>
@@ -148,13 +152,26 @@ std::array<int64_t, 4> output_size(const at::Tensor& input, const at::Tensor& we
   return out;
 }
 
-bool is_channels_last(const at::Tensor& t) {
-  return t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast) && !t.is_contiguous();
+at::MemoryFormat memory_format_of(const at::Tensor& t) {
+  return t.dim() == 4 ? t.suggest_memory_format() : at::MemoryFormat::Contiguous;
 }
 
 at::MemoryFormat output_memory_format(const at::Tensor& input, const at::Tensor& weight) {
-  return is_channels_last(input) || is_channels_last(weight) ? at::MemoryFormat::ChannelsLast
-                                                             : at::MemoryFormat::Contiguous;
+  if (input.is_cuda() && (input.scalar_type() == at::kDouble || !at::globalContext().userEnabledCuDNN())) {
+    return at::MemoryFormat::Contiguous;
+  }
+  constexpr auto cl = at::MemoryFormat::ChannelsLast;
+  return memory_format_of(input) == cl || memory_format_of(weight) == cl ? cl : at::MemoryFormat::Contiguous;
+}
+
+at::Tensor with_layout(const at::Tensor& t, at::MemoryFormat format) {
+  const bool channels_last = format == at::MemoryFormat::ChannelsLast && t.dim() == 4;
+  const c10::DimVector strides =
+      channels_last ? c10::DimVector(c10::get_channels_last_strides_2d(t.sizes())) : c10::contiguous_strides(t.sizes());
+  if (t.strides() == at::IntArrayRef(strides)) {
+    return t;
+  }
+  return at::empty(t.sizes(), t.options().memory_format(format)).copy_(t);
 }
 
 } // namespace convbias

@@ -44,10 +44,18 @@ ConvParams check_param_grad_args(
 // (N, K, H_out, W_out) of the convolution; arguments must have passed check_forward_args.
 std::array<int64_t, 4> output_size(const at::Tensor& input, const at::Tensor& weight, const ConvParams& params);
 
-// True when `t` is laid out channels_last and not also plainly contiguous (which a tensor with H = W = 1 is).
-bool is_channels_last(const at::Tensor& t);
+// PyTorch's own reading of a 4-D tensor's layout (Tensor::suggest_memory_format): channels_last when its strides
+// are those of channels_last, also where the tensor is contiguous as well (a [K, C, 1, 1] weight with strides
+// (C, 1, C, C)); ambiguous strides count as contiguous.
+at::MemoryFormat memory_format_of(const at::Tensor& t);
 
-// The memory format F.conv2d gives its output: channels_last when the input or the weight is channels_last.
+// The memory format F.conv2d gives its output, by ATen's rule (aten/src/ATen/native/ConvUtils.h): channels_last when
+// the input or the weight suggests channels_last, except on CUDA for float64 (cuDNN never runs NHWC in double) and
+// with torch.backends.cudnn.enabled False (ATen's CUDA kernels without cuDNN write NCHW).
 at::MemoryFormat output_memory_format(const at::Tensor& input, const at::Tensor& weight);
+
+// `t` when its strides are those of a new tensor of its sizes in `format`, else a copy with them: the exact strides
+// ATen's kernels give their outputs, so that layouts read by suggest_memory_format downstream agree.
+at::Tensor with_layout(const at::Tensor& t, at::MemoryFormat format);
 
 } // namespace convbias

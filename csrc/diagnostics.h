@@ -17,4 +17,12 @@ std::string plan_cache_stats();
 // Drops every cached plan and resets the statistics.
 void plan_cache_clear();
 
+// The flags a CUDA call would run under now, as a JSON object: allow_tf32 (the convolution's TF32 setting),
+// deterministic, benchmark, cudnn_enabled and tuning (how a new problem's choices are made: untimed, quick,
+// exhaustive; without the capture state). Callable without a GPU.
+std::string math_flags();
+
+// Test hook: the next `count` cuDNN graph executions fail as a failing execute would (0 clears it).
+void inject_execution_failures(int64_t count);
+
 } // namespace convbias

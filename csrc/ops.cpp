@@ -29,6 +29,10 @@ TORCH_LIBRARY(convbias, m) {
   m.def("_bias_grad(Tensor grad_output, str way) -> Tensor");
   m.def("_plan_cache_stats() -> str", &convbias::plan_cache_stats);
   m.def("_plan_cache_clear() -> ()", &convbias::plan_cache_clear);
+  // The flags a CUDA call runs under (TF32 for convolutions, determinism, benchmark, cudnn.enabled, tuning), as JSON.
+  m.def("_math_flags() -> str", &convbias::math_flags);
+  // Test hook: the next `count` cuDNN graph executions fail as a failing execute would (0 clears it).
+  m.def("_inject_execution_failures(int count) -> ()", &convbias::inject_execution_failures);
   // [cuDNN version compiled against, cuDNN version loaded at run time, cuDNN frontend version].
   m.def("_cudnn_versions() -> int[]", &convbias::cudnn_versions);
 }

@@ -4,7 +4,8 @@ Finds a problem whose chosen plan (forward or weight gradient) needs a workspace
 fallback plan needing none, builds its plan with the GPU's memory free, then caps this process's share of the GPU
 (torch.cuda.set_per_process_memory_fraction) so that the call's output still fits but its workspace does not, and
 calls it again. Prints one JSON line: what ran, the result's error against F.conv2d, or the exception raised.
-Usage: python tests/_workspace_oom.py (TORCH_CONVBIAS_WORKSPACE_FALLBACK decides what must happen).
+Usage: python tests/_workspace_oom.py [--deterministic] (TORCH_CONVBIAS_WORKSPACE_FALLBACK and
+torch.backends.cudnn.deterministic decide what must happen).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def capped(call: Callable[[], torch.Tensor], output_bytes: int) -> torch.Tensor:
 
 
 def main() -> int:
+    torch.backends.cudnn.deterministic = "--deterministic" in sys.argv
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -4,8 +4,13 @@ layouts, bias, input gradient, and deliberately broken arguments.
 For every drawn case: where F.conv2d accepts the arguments, ours must too and match it (output, and the
 gradients of input, weight and bias against autograd through F.conv2d); where F.conv2d rejects them, ours must
 raise a Python exception of its own (ValueError / TypeError naming the argument, message starting with
-``convbias`` or ``conv_bias2d``), never crash, hang or return a result. The seed makes every run draw the same
-cases; a failure names its case number, and ``FUZZ_CASES`` / ``FUZZ_SEED`` change the count and the draw.
+``convbias`` or ``conv_bias2d``), never crash, hang or return a result. The numbers come from an independent oracle:
+F.conv2d in float64 on the CPU, NCHW, whatever the case's device, dtype and layout (our CPU kernels run ATen in the
+case's dtype; our CUDA kernels cuDNN graphs), with tolerances from the dtype. On CUDA the draw favours what our graphs
+and bias kernel take (channels_last, channel counts in 16-byte rows, larger images), every valid case records the
+path it took (explain / explain_param_grad), and the coverage is printed and asserted: at least half of the valid
+cases run our graphs, a fifth our bias kernel. The seed makes every run draw the same cases; a failure names its
+case number, and ``FUZZ_CASES`` / ``FUZZ_SEED`` change the count and the draw.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from conftest import DEVICES, HAS_CUDA, MODES, assert_close, math_mode
 
+import torch_convbias
 from torch_convbias import conv_bias2d
 
 CASES = int(os.environ.get("FUZZ_CASES", "2000"))
@@ -58,14 +64,26 @@ class Case:
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
-def draw(rng: random.Random, dtypes: dict[torch.dtype, str]) -> Case:
+def draw(rng: random.Random, dtypes: dict[torch.dtype, str], device: str = "cpu") -> Case:
+    """A case; on CUDA shaped towards what our graphs and bias kernel take: mostly channels_last, channel counts of
+    whole 16-byte rows for half the draws, images up to 16x16."""
     groups = rng.choice([1, 1, 1, 2, 3, 4])
+    if device == "cuda":
+        per_group = rng.choice([1, 2, 3, 4, 8, 16]) if rng.random() < 0.5 else 8 * rng.randint(1, 4)
+        layout = rng.choices(["channels_last", "contiguous", "strided"], weights=[6, 2, 2])[0]
+        sides = (rng.randint(1, 16), rng.randint(1, 16))
+        n = rng.randint(1, 4)
+    else:
+        per_group = rng.randint(1, 3)
+        layout = rng.choice(["contiguous", "channels_last", "strided"])
+        sides = (rng.randint(1, 10), rng.randint(1, 10))
+        n = rng.randint(1, 3)
     case = Case(
-        n=rng.randint(1, 3),
-        c=groups * rng.randint(1, 3),
-        h=rng.randint(1, 10),
-        w=rng.randint(1, 10),
-        k=groups * rng.randint(1, 3),
+        n=n,
+        c=groups * rng.choice([1, 2, 3, per_group]),
+        h=sides[0],
+        w=sides[1],
+        k=groups * per_group,
         kh=rng.randint(1, 4),
         kw=rng.randint(1, 4),
         groups=groups,
@@ -73,7 +91,7 @@ def draw(rng: random.Random, dtypes: dict[torch.dtype, str]) -> Case:
         padding=rng.choice([0, 1, 2, (0, 1), (2, 0), "same", "valid"]),
         dilation=rng.choice([1, 1, 2, (1, 2), 3]),
         dtype=rng.choice(list(dtypes)),
-        layout=rng.choice(["contiguous", "channels_last", "strided"]),
+        layout=layout,
         bias=rng.random() < 0.8,
         input_grad=rng.random() < 0.4,
     )
@@ -166,15 +184,39 @@ def grads(out: torch.Tensor, seed: torch.Tensor, params: list[torch.Tensor]) -> 
     return list(torch.autograd.grad(out, params, seed, allow_unused=True))
 
 
-def run_case(number: int, case: Case, device: str, dtypes: dict[torch.dtype, str]) -> str:
-    """Checks one case; returns 'valid' or 'rejected' for the counts."""
+def float64_oracle(case: Case, ts: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """F.conv2d in float64 on the CPU (NCHW leaves copied from the case's tensors), and the leaves that need grads."""
+    leaves = [t.detach().cpu().double().contiguous().requires_grad_(t.requires_grad) if t is not None else None for t in ts]
+    expected = call(F.conv2d, *leaves, case, oracle_dilation(case, leaves[1]))
+    return expected, [t for t in leaves if t is not None and t.requires_grad]
+
+
+def record_path(case: Case, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, grad_output: torch.Tensor,
+                coverage: dict[str, int]) -> None:
+    """What a valid CUDA case ran: a cuDNN graph for the forward, the conv_wgrad graph, our bias kernel."""
+    info = torch_convbias.explain(x.detach(), w.detach(), b.detach() if b is not None else None, stride=case.stride,
+                                  padding=case.padding, dilation=case.dilation, groups=case.groups)  # fmt: skip
+    coverage["graph_forward"] += info["path"] != "aten"
+    if isinstance(case.padding, str) and case.padding != "valid":
+        return  # 'same' may pad the input first: param_grad then sees another input than this one
+    grad = torch_convbias.explain_param_grad(grad_output, x.detach(), w.detach(), stride=case.stride,
+                                             padding=0 if case.padding == "valid" else case.padding,
+                                             dilation=case.dilation, groups=case.groups)  # fmt: skip
+    coverage["graph_weight_grad"] += grad["weight_grad"]["path"] == "cudnn graph"
+    coverage["bias_kernel"] += b is not None and grad["bias_grad"]["way"] == "kernel"
+
+
+def run_case(number: int, case: Case, device: str, dtypes: dict[torch.dtype, str],
+             coverage: dict[str, int] | None = None) -> str:
+    """Checks one case; returns 'valid' or 'rejected' for the counts, and adds a valid CUDA case's paths to
+    `coverage`."""
     gen = torch.Generator().manual_seed(SEED + number)
     x, w, b = tensors(case, device, gen)
     ox, ow, ob = (oracle_leaf(t) for t in (x, w, b)) if device == "cpu" else (x, w, b)
     try:
         if case.broken in ATEN_LENIENT_BREAKAGES:
             raise ValueError(f"{case.broken} is invalid, whatever F.conv2d does with it")
-        expected = call(F.conv2d, ox, ow, ob, case, oracle_dilation(case, w) if device == "cpu" else None)
+        call(F.conv2d, ox, ow, ob, case, oracle_dilation(case, w) if device == "cpu" else None)
     except Exception:  # noqa: BLE001 - whatever F.conv2d rejects, ours must reject with its own error
         with pytest.raises(OUR_ERRORS) as info:
             call(conv_bias2d, x, w, b, case)
@@ -182,15 +224,18 @@ def run_case(number: int, case: Case, device: str, dtypes: dict[torch.dtype, str
         assert message.startswith(("convbias", "conv_bias2d")), f"case {number} {case}: unclear error: {message}"
         return "rejected"
     mode = MODES[dtypes[case.dtype]]
+    expected, leaves = float64_oracle(case, (x, w, b))
     actual = call(conv_bias2d, x, w, b, case)
     assert actual.shape == expected.shape and actual.dtype == case.dtype, f"case {number} {case}: {actual.dtype}"
-    assert_close(actual.detach(), expected.detach().to(case.dtype), mode, f"case {number} {case}: output")
+    assert_close(actual.detach().cpu().double(), expected.detach(), mode, f"case {number} {case}: output")
     names = [name for name, t in (("input", x), ("weight", w), ("bias", b)) if t is not None and t.requires_grad]
     ours = [t for t in (x, w, b) if t is not None and t.requires_grad]
-    theirs = [t for t in (ox, ow, ob) if t is not None and t.requires_grad]
-    seed = torch.randn(expected.shape, generator=gen, dtype=torch.float64).to(device, case.dtype)
-    for name, got, want in zip(names, grads(actual, seed, ours), grads(expected, seed.to(expected.dtype), theirs)):
-        assert_close(got, want.to(case.dtype) if want is not None else None, mode, f"case {number} {case}: grad {name}")
+    # grad_output in the output's own layout (as autograd hands it over in a model), rounded to the case's dtype.
+    seed = torch.empty_like(actual).copy_(torch.randn(expected.shape, generator=gen, dtype=torch.float64))
+    for name, got, want in zip(names, grads(actual, seed, ours), grads(expected, seed.cpu().double(), leaves)):
+        assert_close(got.cpu().double() if got is not None else None, want, mode, f"case {number} {case}: grad {name}")
+    if coverage is not None and device == "cuda":
+        record_path(case, x, w, b, seed, coverage)
     return "valid"
 
 
@@ -231,23 +276,29 @@ def run_param_grad_case(number: int, case: Case, device: str, dtypes: dict[torch
         assert str(info.value).startswith("convbias"), f"case {number} {case} ({flaw}): unclear error: {info.value}"
         return "rejected"
     grad_weight, grad_bias = torch.ops.convbias.param_grad(*args)
+    # The oracle: float64 on the CPU, NCHW.
+    cpu64 = [t.detach().cpu().double().contiguous() for t in (grad_output, x, w)]
     ref = torch.ops.aten.convolution_backward(
-        oracle_leaf(grad_output).detach(), oracle_leaf(x).detach(), oracle_leaf(w).detach(), [case.k], pair(case.stride),
-        pair(case.padding), oracle_dilation(case, w), False, [0, 0], case.groups, [False, True, True],
+        *cpu64, [case.k], pair(case.stride), pair(case.padding), oracle_dilation(case, w), False, [0, 0], case.groups,
+        [False, True, True],
     )  # fmt: skip
     mode = MODES[dtypes[case.dtype]]
-    assert_close(grad_weight, ref[1].to(case.dtype), mode, f"case {number} {case}: param_grad weight")
-    assert_close(grad_bias, ref[2].to(case.dtype), mode, f"case {number} {case}: param_grad bias")
+    assert_close(grad_weight.cpu().double(), ref[1], mode, f"case {number} {case}: param_grad weight")
+    assert_close(grad_bias.cpu().double(), ref[2], mode, f"case {number} {case}: param_grad bias")
     return "valid"
 
 
-def fuzz(device: str, dtypes: dict[torch.dtype, str], check: Any = run_case) -> dict[str, int]:
+def fuzz(device: str, dtypes: dict[torch.dtype, str], check: Any = run_case,
+         coverage: dict[str, int] | None = None) -> dict[str, int]:
     rng = random.Random(SEED)
     counts = {"valid": 0, "rejected": 0, "skipped": 0}
     for number in range(CASES):
-        case = draw(rng, dtypes)
+        case = draw(rng, dtypes, device)
         with math_mode(MODES[dtypes[case.dtype]]):
-            counts[check(number, case, device, dtypes)] += 1
+            if coverage is None:
+                counts[check(number, case, device, dtypes)] += 1
+            else:
+                counts[check(number, case, device, dtypes, coverage)] += 1
     return counts
 
 
@@ -269,10 +320,15 @@ def test_fuzz_param_grad(device: str, record_property: Any) -> None:
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_fuzz_cuda(record_property: Any) -> None:
-    counts = fuzz("cuda", CUDA_DTYPES)
-    record_property("fuzz_counts", counts)
-    print(f"fuzz cuda: {CASES} cases, {counts}")
+    coverage = {"graph_forward": 0, "graph_weight_grad": 0, "bias_kernel": 0}
+    counts = fuzz("cuda", CUDA_DTYPES, coverage=coverage)
+    record_property("fuzz_counts", {**counts, **coverage})
+    print(f"fuzz cuda: {CASES} cases, {counts}, paths of the valid ones: {coverage}")
     assert counts["valid"] >= CASES * 2 // 5 and counts["rejected"] >= CASES // 10, counts
+    # The cases exercise our code, not ATen's: graphs for at least half of the valid ones, our bias kernel a fifth.
+    assert coverage["graph_forward"] >= counts["valid"] // 2, coverage
+    assert coverage["graph_weight_grad"] >= counts["valid"] // 4, coverage
+    assert coverage["bias_kernel"] >= counts["valid"] // 5, coverage
 
 
 # Problems on which ATen's CPU convolution (torch 2.14.1) segfaults, found by the fuzzing above: ours must run

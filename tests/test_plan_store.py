@@ -1,6 +1,8 @@
-"""The persistent plan cache (TORCH_CONVBIAS_PLAN_CACHE_DIR): plans one process builds are loaded by the next
-instead of built, give the same engines and results, and files that are corrupted, truncated or unwritable are
-never trusted: rejected (counted), rebuilt and rewritten. Each step is its own process, as in real use."""
+"""The persistent plan cache (TORCH_CONVBIAS_PLAN_CACHE_DIR): timed plans one process chooses are loaded by the next
+instead of built, give the same engines and results, and files that are corrupted, truncated, made under other
+knobs, or hold a graph of other shapes are never trusted: rejected (counted), rebuilt and rewritten. Untimed choices
+are not written; files are private to the user; temporary files of dead writers are removed. Each step is its own
+process, as in real use (TORCH_CONVBIAS_AUTOTUNE=quick: timed choices without cudnn.benchmark's full search)."""
 
 from __future__ import annotations
 
@@ -63,8 +65,14 @@ print(json.dumps({"cache": torch_convbias.cache_info(), "rows": rows}))
 """
 
 
-def run(directory: Path, bias_grad: str) -> dict[str, Any]:
-    env = {**os.environ, "TORCH_CONVBIAS_PLAN_CACHE_DIR": str(directory), "TORCH_CONVBIAS_BIAS_GRAD": bias_grad}
+def run(directory: Path, bias_grad: str, **knobs: str) -> dict[str, Any]:
+    env = {
+        **os.environ,
+        "TORCH_CONVBIAS_PLAN_CACHE_DIR": str(directory),
+        "TORCH_CONVBIAS_BIAS_GRAD": bias_grad,
+        "TORCH_CONVBIAS_AUTOTUNE": "quick",
+        **{f"TORCH_CONVBIAS_{name.upper()}": value for name, value in knobs.items()},
+    }
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -136,3 +144,68 @@ def test_unwritable_directory_warns_and_still_computes(tmp_path: Path) -> None:
     report = run(not_a_directory, "kernel")
     assert report["cache"]["disk_writes"] == 0 and report["cache"]["disk_hits"] == 0, report["cache"]
     assert "persistent plan cache" in report["stderr"] and "cannot write" in report["stderr"], report["stderr"][-2000:]
+
+
+@cuda
+def test_untimed_choices_are_not_written(tmp_path: Path) -> None:
+    """cudnn.benchmark off and TORCH_CONVBIAS_AUTOTUNE=auto (the default: heuristics, nothing timed): nothing to
+    save a later process, and nothing a process that times should take for a measured choice."""
+    report = run(tmp_path, "kernel", autotune="auto")
+    cache = report["cache"]
+    assert cache["disk_enabled"] and cache["disk_writes"] == 0 and cache["disk_hits"] == 0, cache
+    assert plan_files(tmp_path) == []
+
+
+@cuda
+def test_records_made_under_other_knobs_are_not_used(tmp_path: Path) -> None:
+    run(tmp_path, "kernel")
+    other = run(tmp_path, "kernel", nchw="copy")
+    cache = other["cache"]
+    assert cache["disk_hits"] == 0 and cache["disk_rejected"] > 0, cache
+    assert "knobs" in cache["disk_last_rejection"] and '"nchw":"copy"' in cache["disk_last_rejection"], cache
+
+
+@cuda
+def test_files_are_private_and_dead_writers_temporaries_removed(tmp_path: Path) -> None:
+    run(tmp_path, "kernel")
+    files = plan_files(tmp_path)
+    folder = files[0].parent
+    assert folder.stat().st_mode & 0o777 == 0o700, oct(folder.stat().st_mode)
+    assert all(f.stat().st_mode & 0o777 == 0o600 for f in files), [oct(f.stat().st_mode) for f in files]
+    dead = folder / f"{files[0].name}.tmp.999999999.1"  # no process has this pid
+    alive = folder / f"{files[0].name}.tmp.{os.getpid()}.1"  # this test's own process: being written
+    dead.write_bytes(b"half a plan")
+    alive.write_bytes(b"half a plan")
+    run(tmp_path, "kernel")
+    assert not dead.exists() and alive.exists()
+
+
+def swap_records(target: Path, donor: Path) -> None:
+    """`target`'s file with `donor`'s record (its plan and graph) in place of its own, checksum recomputed: a file
+    whose envelope (environment, knobs, kind, key) fits one problem and whose plan was built for another. The CBOR
+    object's keys are sorted: ... "record" <value> "timed" <value>."""
+    magic = target.read_bytes()[:8]
+    body_t, body_d = target.read_bytes()[16:], donor.read_bytes()[16:]
+    record, timed = b"\x66record", b"\x65timed"
+    start_t, start_d = body_t.index(record) + len(record), body_d.index(record) + len(record)
+    body = body_t[:start_t] + body_d[start_d : body_d.rindex(timed)] + body_t[body_t.rindex(timed) :]
+    fnv = 0xCBF29CE484222325
+    for byte in body:
+        fnv = ((fnv ^ byte) * 0x100000001B3) % 2**64
+    target.write_bytes(magic + fnv.to_bytes(8, "little") + body)
+
+
+@cuda
+def test_a_plan_built_for_other_shapes_is_rejected(tmp_path: Path) -> None:
+    """The graph stored with a plan must have the problem's tensors: a file whose key fits but whose plan was built
+    for other shapes (forged, or a key collision) is rejected and the plan rebuilt, with results still right."""
+    run(tmp_path, "kernel")
+    forward = sorted(plan_files(tmp_path), key=lambda f: f.stat().st_size)
+    forward = [f for f in forward if f.name.startswith("forward-")]
+    assert len(forward) >= 2, forward
+    for target, donor in zip(forward, forward[1:] + forward[:1]):
+        swap_records(target, donor)
+    report = run(tmp_path, "kernel")
+    cache = report["cache"]
+    assert cache["disk_rejected"] >= 1, cache
+    assert "the stored plan's tensor" in cache["disk_last_rejection"], cache

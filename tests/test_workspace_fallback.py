@@ -18,12 +18,12 @@ from conftest import cuda
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_capped(fallback: str) -> dict[str, Any]:
+def run_capped(fallback: str, *flags: str) -> dict[str, Any]:
     # The script imports torch_convbias from the checkout, as the tests do.
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "TORCH_CONVBIAS_WORKSPACE_FALLBACK": fallback, "PYTHONPATH": path}
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "_workspace_oom.py")], env=env, cwd=ROOT, capture_output=True,
+        [sys.executable, str(ROOT / "tests" / "_workspace_oom.py"), *flags], env=env, cwd=ROOT, capture_output=True,
         text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
@@ -52,3 +52,15 @@ def test_failing_workspace_without_fallback_raises_out_of_memory() -> None:
     assert report["fallbacks_run"] == 0, report
     assert report["after_error"] <= 1e-4 * max(1.0, report["scale"]), report
 
+
+
+@cuda
+def test_failing_workspace_under_determinism_raises_instead_of_substituting() -> None:
+    """torch.backends.cudnn.deterministic: the plan chosen for the key is the one that runs, so a workspace that
+    cannot be allocated raises (saying why) rather than running another engine with other rounding."""
+    report = run_capped("on", "--deterministic")
+    assert report.get("raised") == "OutOfMemoryError", report
+    message = report["message"]
+    assert "torch.backends.cudnn.deterministic or torch.use_deterministic_algorithms(True) is set" in message, message
+    assert report["fallback"]["name"] in message and report["fallbacks_run"] == 0, report
+    assert report["after_error"] <= 1e-4 * max(1.0, report["scale"]), report

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -140,15 +141,18 @@ def output_size(
     return [input.shape[0], weight.shape[0], *spatial]
 
 
-def is_channels_last(t: torch.Tensor) -> bool:
-    """channels_last and not also plainly contiguous (as a tensor with H = W = 1 is): csrc's rule."""
-    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
-
-
 def memory_format_of(t: torch.Tensor) -> torch.memory_format:
-    return torch.channels_last if is_channels_last(t) else torch.contiguous_format
+    """PyTorch's reading of a 4-D tensor's layout (``suggest_memory_format``): csrc's memory_format_of."""
+    if t.dim() == 4 and suggest_memory_format(t) == torch.channels_last:
+        return torch.channels_last
+    return torch.contiguous_format
 
 
 def output_memory_format(input: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
-    """F.conv2d's choice: channels_last when the input or the weight is channels_last."""
-    return torch.channels_last if is_channels_last(input) or is_channels_last(weight) else torch.contiguous_format
+    """F.conv2d's choice, by ATen's rule (csrc/conv_args.h): channels_last when the input or the weight suggests
+    channels_last, except on CUDA for float64 and with ``torch.backends.cudnn.enabled`` False (NCHW there)."""
+    if input.device.type == "cuda" and (input.dtype == torch.float64 or not torch.backends.cudnn.enabled):
+        return torch.contiguous_format
+    if memory_format_of(input) == torch.channels_last or memory_format_of(weight) == torch.channels_last:
+        return torch.channels_last
+    return torch.contiguous_format

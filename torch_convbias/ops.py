@@ -70,10 +70,21 @@ def _param_grad_fake(
     return grad_weight, grad_bias
 
 
+def _input_stand_in(input: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``input``'s shape over one element: what param_grad needs of the input for the bias gradient alone."""
+    return input.new_zeros(()).expand(input.shape)
+
+
+def _cpu_computable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ATen's CPU convolutions can take it: float32 for a 16-bit CPU tensor (csrc/reference.h says why)."""
+    return t.float() if t.device.type == "cpu" and t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    """Save what :func:`backward` needs (used by :class:`ConvBiasFunction`)."""
+    """Save what :func:`backward` needs (used by :class:`ConvBiasFunction`): the input only when the weight needs a
+    gradient (as the C++ autograd of the op)."""
     input, weight, _bias, stride, padding, dilation, groups = inputs
-    ctx.save_for_backward(input, weight)
+    ctx.save_for_backward(input if weight.requires_grad else _input_stand_in(input), weight)
     ctx.conv_params = (list(stride), list(padding), list(dilation), groups)
 
 
@@ -88,9 +99,20 @@ def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, 
     needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
     grad_input = grad_weight = grad_bias = None
     if needs_input:
+        # On the CPU 16-bit problems run in float32, rounded once, as the C++ autograd does.
         grad_input = torch.ops.aten.convolution_backward(
-            grad_output, input, weight, None, stride, padding, dilation, False, [0, 0], groups, [True, False, False]
-        )[0]
+            _cpu_computable(grad_output),
+            _cpu_computable(input),
+            _cpu_computable(weight),
+            None,
+            stride,
+            padding,
+            dilation,
+            False,
+            [0, 0],
+            groups,
+            [True, False, False],
+        )[0].to(input.dtype)
     if needs_weight or needs_bias:
         grad_weight, grad_bias = param_grad(
             grad_output, input, weight, stride, padding, dilation, groups, [needs_weight, needs_bias]

@@ -41,7 +41,7 @@ at::Tensor forward_reference(
       effective_dilation(weight, dilation), false, {0, 0}, groups);
   out = out.to(input.scalar_type());
   // ATen's backends agree on this format in the common cases; pin it so that the fake kernel can promise it.
-  return out.contiguous(output_memory_format(input, weight));
+  return with_layout(out, output_memory_format(input, weight));
 }
 
 std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_reference(
@@ -57,6 +57,12 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_refe
   if (!output_mask[0] && !output_mask[1]) {
     return {std::nullopt, std::nullopt};
   }
+  if (!output_mask[0]) {
+    // The bias gradient alone: a sum (the input may be a stand-in, autograd.cpp), with FP32 accumulation for 16-bit
+    // types as ATen's convolution_backward does.
+    const at::ScalarType accumulate = grad_output.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    return {std::nullopt, at::sum(grad_output, {0, 2, 3}, /*keepdim=*/false, accumulate).to(weight.scalar_type())};
+  }
   const std::vector<int64_t> bias_sizes{weight.size(0)};
   auto [unused_grad_input, grad_weight, grad_bias] = at::convolution_backward(
       cpu_computable(grad_output), cpu_computable(input), cpu_computable(weight), bias_sizes, stride, padding,
@@ -65,8 +71,7 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_refe
   std::optional<at::Tensor> weight_result;
   std::optional<at::Tensor> bias_result;
   if (output_mask[0]) {
-    const auto format = is_channels_last(weight) ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
-    weight_result = grad_weight.to(weight.scalar_type()).contiguous(format);
+    weight_result = with_layout(grad_weight.to(weight.scalar_type()), memory_format_of(weight));
   }
   if (output_mask[1]) {
     bias_result = grad_bias.to(weight.scalar_type()).contiguous();
@@ -84,7 +89,7 @@ std::string explain_cpu(
     at::IntArrayRef dilation,
     int64_t groups) {
   check_forward_args(input, weight, bias, stride, padding, dilation, groups);
-  return JsonObject().str("path", "aten").strings("notes", {"CPU tensors run ATen's convolution (the reference path)"}).dump();
+  return Json{{"path", "aten"}, {"notes", Json::array({"CPU tensors run ATen's convolution (the reference path)"})}}.dump();
 }
 
 std::string explain_param_grad_cpu(
@@ -97,9 +102,9 @@ std::string explain_param_grad_cpu(
     int64_t groups) {
   check_param_grad_args(grad_output, input, weight, stride, padding, dilation, groups);
   const std::string why = "CPU tensors run ATen's convolution backward (the reference path)";
-  return JsonObject()
-      .raw("weight_grad", JsonObject().str("path", "aten").strings("notes", {why}).dump())
-      .raw("bias_grad", JsonObject().str("way", "aten").strings("notes", {why}).dump())
+  return Json{
+      {"weight_grad", {{"path", "aten"}, {"notes", Json::array({why})}}},
+      {"bias_grad", {{"way", "aten"}, {"notes", Json::array({why})}}}}
       .dump();
 }
 

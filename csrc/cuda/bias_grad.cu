@@ -5,6 +5,7 @@
 // sums in a fixed order, and a second small pass adds the bands in a fixed order, so the result is bitwise
 // repeatable (deterministic) without atomics.
 #include "cuda/bias_grad.h"
+#include "cuda/math_flags.h"
 #include "cuda/timing.h"
 
 #include <ATen/ATen.h>
@@ -292,8 +293,9 @@ at::Tensor launch_for(const at::Tensor& grad_output, LaunchConfig config) {
 // Measured on the H200 (2026-12-02, bench/bias_kernel_variants.cu over 9 grad_outputs of 98-784 MiB): 4 blocks
 // per SM with 16 streaming loads in flight reached 0.83-1.05 of the copy bandwidth, the best or within 3% of it
 // on every shape but one (bf16 98 MiB, where contiguous bands gained 5%); no setting is best everywhere. So each
-// (device, dtype, rows, K) is timed once over a few launch configurations and the fastest kept; the default is
-// used untimed (CUDA graph capture, TORCH_CONVBIAS_AUTOTUNE=off) and under torch.use_deterministic_algorithms,
+// (device, dtype, rows, K) is timed once over a few launch configurations and the fastest kept where timing is asked
+// for (cudnn.benchmark, TORCH_CONVBIAS_AUTOTUNE=quick/on); the default is used untimed (benchmark off, CUDA graph
+// capture, TORCH_CONVBIAS_AUTOTUNE=off) and under determinism (cudnn.deterministic or use_deterministic_algorithms),
 // where the summation order must not depend on a timing.
 constexpr LaunchConfig kDefaultConfig = {4, 16, false};
 constexpr std::array<LaunchConfig, 6> kCandidateConfigs = {
@@ -301,7 +303,8 @@ constexpr std::array<LaunchConfig, 6> kCandidateConfigs = {
 
 // The configuration for grad_output and whether it was measured (false: the default, untimed).
 std::pair<LaunchConfig, bool> config_for(const at::Tensor& grad_output) {
-  if (at::globalContext().deterministicAlgorithms()) {
+  const MathFlags flags = current_math_flags();
+  if (flags.deterministic || requested_tuning(flags) == Tuning::Untimed) {
     return {kDefaultConfig, false};
   }
   const int64_t columns = grad_output.size(1);
@@ -316,8 +319,8 @@ std::pair<LaunchConfig, bool> config_for(const at::Tensor& grad_output) {
       return {it->second, true};
     }
   }
-  // Only a shape not seen yet asks whether timing is allowed (a stream query): the hot path is the lookup above.
-  if (!timing_allowed()) {
+  // Only a shape not seen yet asks whether the stream is capturing (a stream query): the hot path is the lookup above.
+  if (stream_is_capturing()) {
     return {kDefaultConfig, false};
   }
   // Two rounds (the second in reverse order), each candidate's faster time kept: the configurations differ by a

@@ -1,6 +1,7 @@
 // The three ways of computing the bias gradient, and the choice among them: our kernel (bias_grad.cu), a cuDNN
 // reduction graph (bias_reduction.cpp) and ATen's sum. Measured on the H200 (bench/bench_param_grad.py).
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include "cuda/bias_grad.h"
 #include "cuda/bias_reduction.h"
@@ -57,6 +58,8 @@ at::Tensor bias_grad(const at::Tensor& grad_output) {
 at::Tensor bias_grad_with(const at::Tensor& grad_output, c10::string_view way) {
   TORCH_CHECK_VALUE(
       grad_output.dim() == 4, "convbias._bias_grad: expected a 4-D grad_output, got ", grad_output.dim(), "-D");
+  // The kernels, plans and timings run on grad_output's GPU, whichever device is current.
+  const c10::cuda::CUDAGuard device_guard(grad_output.device());
   if (way == "kernel") {
     TORCH_CHECK_VALUE(
         bias_grad_kernel_applies(grad_output),

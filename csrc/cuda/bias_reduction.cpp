@@ -6,7 +6,7 @@
 #include <sstream>
 
 #include "cuda/graph_common.h"
-#include "cuda/plan_cache.h"
+#include "cuda/plan_lookup.h"
 #include "cuda/plan_store.h"
 
 namespace convbias::cuda {
@@ -18,10 +18,11 @@ struct ReductionPlan {
   std::shared_ptr<fe::graph::Graph> graph; // null: no plan builds
   EngineChoice engine;
   std::string failure;
+  bool transient = false; // no plan because of a workspace that could not be allocated: neither cached nor stored
 };
 
-PlanCache<ReductionPlan>& cache() {
-  static PlanCache<ReductionPlan> plans(knobs().cache_size);
+PlanCaches<ReductionPlan>& cache() {
+  static PlanCaches<ReductionPlan> plans(knobs().cache_size);
   return plans;
 }
 
@@ -71,10 +72,14 @@ std::optional<plan_store::Json> plan_record(const ReductionPlan& plan) {
   return plan_store::put_graph(r, plan.graph, plan.engine) ? std::optional(r) : std::nullopt;
 }
 
-std::shared_ptr<const ReductionPlan> plan_from_record(const plan_store::Json& r) {
+std::shared_ptr<const ReductionPlan> plan_from_record(const plan_store::Json& r, const at::Tensor& dy) {
   auto plan = std::make_shared<ReductionPlan>();
   plan->failure = r.at("failure").get<std::string>();
-  return plan_store::take_graph(r, plan->graph, plan->engine, &plan->failure) ? plan : nullptr;
+  const auto dims = dims_of(dy);
+  const int64_t k = dims[1];
+  const plan_store::ExpectedTensors expected{
+      {kDY, {as_vector(dims), channels_last_strides(dims)}}, {kDB, {{1, k, 1, 1}, {k, 1, k, k}}}};
+  return plan_store::take_graph(r, expected, plan->graph, plan->engine, &plan->failure) ? plan : nullptr;
 }
 
 std::shared_ptr<const ReductionPlan> build_plan(const at::Tensor& dy, const MathFlags& flags) {
@@ -89,26 +94,25 @@ std::shared_ptr<const ReductionPlan> build_plan(const at::Tensor& dy, const Math
   plan->graph = attempt.graph;
   plan->engine = attempt.engine;
   plan->failure = attempt.failure;
+  plan->transient = !plan->graph && attempt.engine.transient;
   return plan;
 }
 
 std::shared_ptr<const ReductionPlan> plan_for(const at::Tensor& dy) {
   const MathFlags flags = current_math_flags();
   const PlanKey key = key_of(dy, flags);
-  return cache().get_or_build(
-      key,
-      [&] {
-        return plan_store::load_or_build<ReductionPlan>(
-            "bias_grad", key, &plan_from_record, [&] { return build_plan(dy, flags); }, &plan_record);
-      },
-      nullptr);
+  return lookup_plan<ReductionPlan>(
+      cache(), "bias_grad", key, requested_tuning(flags) != Tuning::Untimed,
+      [&](const plan_store::Json& r) { return plan_from_record(r, dy); }, [&] { return build_plan(dy, flags); },
+      &plan_record, nullptr, nullptr);
 }
 
 } // namespace
 
 bool bias_reduction_applies(const at::Tensor& grad_output) {
   const auto dtype = grad_output.scalar_type();
-  return grad_output.dim() == 4 && grad_output.is_cuda() && grad_output.numel() > 0 &&
+  // torch.backends.cudnn.enabled = False: no cuDNN at all, as for ATen's own ops.
+  return at::globalContext().userEnabledCuDNN() && grad_output.dim() == 4 && grad_output.is_cuda() && grad_output.numel() > 0 &&
       grad_output.is_contiguous(at::MemoryFormat::ChannelsLast) && pointer_alignment(grad_output) >= 16 &&
       (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) &&
       grad_output.numel() <= std::numeric_limits<int32_t>::max();
@@ -132,7 +136,7 @@ std::string bias_reduction_failure(const at::Tensor& grad_output) {
 }
 
 CacheStats bias_reduction_cache_stats() {
-  return cache().stats();
+  return cache().eager.stats();
 }
 
 void bias_reduction_cache_clear() {

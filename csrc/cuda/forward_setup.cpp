@@ -10,6 +10,9 @@ std::optional<std::string> aten_only_reason(const at::Tensor& input, const at::T
   if (knobs().path == "aten") {
     return "TORCH_CONVBIAS_PATH=aten";
   }
+  if (!at::globalContext().userEnabledCuDNN()) {
+    return "torch.backends.cudnn.enabled is False: ATen's convolution without cuDNN, as nn.Conv2d";
+  }
   if (input.scalar_type() == at::kDouble) {
     return "float64: cuDNN graphs have no float64 convolution engines";
   }

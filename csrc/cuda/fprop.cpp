@@ -116,7 +116,7 @@ std::shared_ptr<FpropPlan> build_graph_path(
     // Runtime-compiled engines build for NHWC only (measured on the H200) and cost seconds to try.
     policy.allow_runtime_compiled = false;
   }
-  plan->tuned = policy.time_candidates && policy.max_candidates > 1;
+  plan->tuned = policy.time_candidates();
   const at::Tensor y = new_output(p, x);
   const bool forced_must_build = p.channels_last;
 
@@ -135,7 +135,7 @@ std::shared_ptr<FpropPlan> build_graph_path(
   // Conv alone (then a bias add): needed without bias, when the fused graph failed, when forced, and when
   // measuring whether fusion pays for this key.
   // cudnn.benchmark (or AUTOTUNE=on) without a forced path: every alternative is measured.
-  const bool exhaustive = exhaustive_tuning(p.flags) && k.path == "auto";
+  const bool exhaustive = policy.tuning == Tuning::Exhaustive && k.path == "auto";
   const bool measure_both = fused_ok && exhaustive;
   std::optional<GraphAttempt> unfused;
   if (!fused_ok || measure_both) {
@@ -182,7 +182,9 @@ std::shared_ptr<FpropPlan> build_graph_path(
         " but cuDNN rejected the graph for ", p.describe(), ": ", plan->notes.empty() ? "" : plan->notes.back(),
         ". Hint: ", layout_hint(p));
     plan->path = FpropPath::Aten;
-    plan->notes.push_back("no cuDNN graph builds for this problem; running ATen's convolution. Hint: " + layout_hint(p));
+    plan->notes.push_back("no cuDNN graph builds (and runs) for this problem; running ATen's convolution. Hint: " + layout_hint(p));
+    // Out of memory while trying candidates: the next call tries again.
+    plan->transient = (fused && fused->engine.transient) || (unfused && unfused->engine.transient);
   }
   if (plan->path != FpropPath::Aten && p.channels_last && exhaustive) {
     // Under cudnn.benchmark, nn.Conv2d's own path (ATen's convolution, then its bias add) is measured too: on
@@ -211,7 +213,6 @@ std::shared_ptr<FpropPlan> build_graph_path(
 std::shared_ptr<const FpropPlan> build_nchw_plan(
     const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   const auto& k = knobs();
-  constexpr auto cl = at::MemoryFormat::ChannelsLast;
   auto aten_plan = [](std::vector<std::string> notes, const std::string& why) {
     auto plan = std::make_shared<FpropPlan>();
     plan->path = FpropPath::Aten;
@@ -233,12 +234,15 @@ std::shared_ptr<const FpropPlan> build_nchw_plan(
       return native;
     }
   }
+  // The channels_last way copies x and w: only when it may be taken (forced, or native failed, or timed against the
+  // others), so that an untimed choice of the NCHW graph leaves no copy kernels behind (nor in a captured graph).
+  const bool timed = current_tuning(p.flags) != Tuning::Untimed;
+  const bool native_ok = native && native->path != FpropPath::Aten;
   std::shared_ptr<const FpropPlan> via_cl;
   const FpropProblem cl_problem = p.as_channels_last();
-  const at::Tensor x_cl = x.contiguous(cl);
-  const at::Tensor w_cl = w.contiguous(cl);
-  if (k.nchw == "auto" || k.nchw == "copy") {
-    via_cl = fprop_plan(cl_problem, x_cl, w_cl, b);
+  constexpr auto cl = at::MemoryFormat::ChannelsLast;
+  if (k.nchw == "copy" || (k.nchw == "auto" && (!native_ok || timed))) {
+    via_cl = fprop_plan(cl_problem, x.contiguous(cl), w.contiguous(cl), b);
   }
   auto via_cl_plan = [&] {
     auto plan = std::make_shared<FpropPlan>(*via_cl);
@@ -249,13 +253,14 @@ std::shared_ptr<const FpropPlan> build_nchw_plan(
   if (k.nchw == "copy") {
     return via_cl_plan();
   }
-  // Here TORCH_CONVBIAS_NCHW=auto: both graph ways were tried.
-  const bool native_ok = native->path != FpropPath::Aten;
-  const bool via_cl_ok = via_cl->path != FpropPath::Aten;
+  // Here TORCH_CONVBIAS_NCHW=auto.
+  const bool via_cl_ok = via_cl && via_cl->path != FpropPath::Aten;
   if (!native_ok && !via_cl_ok) {
-    return aten_plan(native->notes, "no cuDNN graph builds for this problem, in NCHW or channels_last");
+    auto plan = aten_plan(native->notes, "no cuDNN graph builds for this problem, in NCHW or channels_last");
+    plan->transient = native->transient || (via_cl && via_cl->transient);
+    return plan;
   }
-  if (!timing_allowed()) {
+  if (!timed) {
     return native_ok ? native : via_cl_plan();
   }
 
@@ -291,6 +296,19 @@ std::shared_ptr<const FpropPlan> build_plan(
     return build_graph_path(p, x, w, b);
   }
   return build_nchw_plan(p, x, w, b);
+}
+
+// The tensors a stored graph of `p` must have (plan_store::take_graph checks them).
+plan_store::ExpectedTensors expected_tensors(const FpropProblem& p, bool with_bias) {
+  plan_store::ExpectedTensors expected{
+      {kX, {as_vector(p.x_dims), packed_strides(p.x_dims, p.channels_last)}},
+      {kW, {as_vector(p.w_dims), packed_strides(p.w_dims, p.channels_last)}},
+      {kY, {as_vector(p.y_dims), packed_strides(p.y_dims, p.channels_last)}}};
+  if (with_bias) {
+    const int64_t k = p.w_dims[0];
+    expected[kB] = {{1, k, 1, 1}, {k, 1, k, k}};
+  }
+  return expected;
 }
 
 // The persistent plan cache's record of a plan: its decisions and, for a graph path, the graph's plans.
@@ -334,7 +352,8 @@ std::shared_ptr<const FpropPlan> plan_from_record(
     plan = std::make_shared<FpropPlan>();
     plan->path = *found;
     std::string why;
-    if (!plan_store::take_graph(r, plan->graph, plan->engine, &why) || (plan->path != FpropPath::Aten) != bool(plan->graph)) {
+    if (!plan_store::take_graph(r, expected_tensors(p, plan->path == FpropPath::Fused), plan->graph, plan->engine, &why) ||
+        (plan->path != FpropPath::Aten) != bool(plan->graph)) {
       return nullptr;
     }
   }
@@ -402,9 +421,9 @@ FpropProblem FpropProblem::as_channels_last() const {
   return p;
 }
 
-PlanCache<FpropPlan>& fprop_cache() {
-  static PlanCache<FpropPlan> cache(knobs().cache_size);
-  return cache;
+PlanCaches<FpropPlan>& fprop_cache() {
+  static PlanCaches<FpropPlan> caches(knobs().cache_size);
+  return caches;
 }
 
 FpropProblem make_problem(
@@ -431,14 +450,10 @@ std::shared_ptr<const FpropPlan> fprop_plan(
     const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
     bool* was_cached, double* build_seconds) {
   const PlanKey key = problem.key();
-  return fprop_cache().get_or_build(
-      key,
-      [&] {
-        return plan_store::load_or_build<FpropPlan>(
-            "forward", key, [&](const plan_store::Json& r) { return plan_from_record(r, problem, x, w, b); },
-            [&] { return build_plan(problem, x, w, b); }, &plan_record);
-      },
-      build_seconds, was_cached);
+  return lookup_plan<FpropPlan>(
+      fprop_cache(), "forward", key, requested_tuning(problem.flags) != Tuning::Untimed,
+      [&](const plan_store::Json& r) { return plan_from_record(r, problem, x, w, b); },
+      [&] { return build_plan(problem, x, w, b); }, &plan_record, build_seconds, was_cached);
 }
 
 at::Tensor run_fprop(

@@ -11,7 +11,7 @@
 
 #include "conv_args.h"
 #include "cuda/graph_common.h"
-#include "cuda/plan_cache.h"
+#include "cuda/plan_lookup.h"
 
 namespace convbias::cuda {
 
@@ -42,6 +42,7 @@ struct FpropPlan {
   std::shared_ptr<fe::graph::Graph> graph; // the fused or conv-only graph; null on the ATen path
   EngineChoice engine;
   bool tuned = false; // candidates (and fused vs unfused) were timed
+  bool transient = false; // ATen because no candidate's workspace could be allocated now: neither cached nor stored
   float fused_ms = -1; // measured, when both paths were timed
   float unfused_ms = -1;
   float graph_ms = -1; // channels_last under cudnn.benchmark: the chosen graph path ...
@@ -55,14 +56,15 @@ struct FpropPlan {
   std::vector<std::pair<std::string, float>> layout_timings;
 };
 
-PlanCache<FpropPlan>& fprop_cache();
+PlanCaches<FpropPlan>& fprop_cache();
 
 // The problem for fully packed x, w, (b) (all channels_last or all NCHW) and an output of `y_dims`.
 FpropProblem make_problem(
     const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, at::IntArrayRef y_dims,
     const ConvParams& params, bool channels_last);
 
-// The cached plan for `problem`, built on a miss (and timed on these tensors and a scratch output).
+// The cached plan for `problem`, built on a miss (and, where timing is asked for, timed on these tensors and a scratch
+// output; during CUDA graph capture untimed, for captures only: see plan_lookup.h).
 std::shared_ptr<const FpropPlan> fprop_plan(
     const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
     bool* was_cached = nullptr, double* build_seconds = nullptr);

@@ -55,11 +55,6 @@ std::string last_cudnn_error() {
   return message;
 }
 
-MathFlags current_math_flags() {
-  auto& ctx = at::globalContext();
-  return MathFlags{ctx.allowTF32CuDNN(), ctx.deterministicAlgorithms(), ctx.benchmarkCuDNN()};
-}
-
 void throw_graph_error(const std::string& what, fe::error_t status, const std::string& hint) {
   const std::string cudnn_message = last_cudnn_error();
   TORCH_CHECK(
@@ -155,8 +150,24 @@ void choose_fallback(
 }
 
 std::atomic<int64_t> workspace_fallback_count{0};
+std::atomic<int64_t> injected_execution_failures{0};
+
+// Whether this execution is to fail (inject_execution_failures), consuming one injected failure.
+bool take_injected_failure() {
+  int64_t left = injected_execution_failures.load();
+  while (left > 0) {
+    if (injected_execution_failures.compare_exchange_weak(left, left - 1)) {
+      return true;
+    }
+  }
+  return false;
+}
 
 } // namespace
+
+void inject_execution_failures(int64_t count) {
+  injected_execution_failures.store(std::max<int64_t>(count, 0));
+}
 
 int64_t workspace_fallbacks() {
   return workspace_fallback_count.load();
@@ -174,23 +185,50 @@ bool stream_is_capturing() {
   return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 }
 
+namespace {
+
+// Two CUDA events, destroyed on every path (also when the timed function throws).
+class EventPair {
+ public:
+  EventPair() {
+    C10_CUDA_CHECK(cudaEventCreate(&start_));
+    const cudaError_t status = cudaEventCreate(&stop_);
+    if (status != cudaSuccess) {
+      (void)cudaEventDestroy(start_);
+      C10_CUDA_CHECK(status);
+    }
+  }
+  ~EventPair() {
+    (void)cudaEventDestroy(start_);
+    (void)cudaEventDestroy(stop_);
+  }
+  EventPair(const EventPair&) = delete;
+  EventPair& operator=(const EventPair&) = delete;
+
+  void record_start(cudaStream_t stream) { C10_CUDA_CHECK(cudaEventRecord(start_, stream)); }
+  void record_stop(cudaStream_t stream) { C10_CUDA_CHECK(cudaEventRecord(stop_, stream)); }
+  float elapsed_ms() {
+    C10_CUDA_CHECK(cudaEventSynchronize(stop_));
+    float ms = 0;
+    C10_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+    return ms;
+  }
+
+ private:
+  cudaEvent_t start_ = nullptr;
+  cudaEvent_t stop_ = nullptr;
+};
+
+} // namespace
+
 float time_on_stream(const std::function<void()>& fn, float give_up_above_ms) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  cudaEvent_t start = nullptr;
-  cudaEvent_t stop = nullptr;
-  C10_CUDA_CHECK(cudaEventCreate(&start));
-  C10_CUDA_CHECK(cudaEventCreate(&stop));
-  auto elapsed_ms = [&] {
-    C10_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    C10_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    return ms;
-  };
+  EventPair events;
   // The warm-up run is timed too: a candidate already far slower than the best one is not run again.
-  C10_CUDA_CHECK(cudaEventRecord(start, stream));
+  events.record_start(stream);
   fn();
-  C10_CUDA_CHECK(cudaEventRecord(stop, stream));
-  float ms = elapsed_ms();
+  events.record_stop(stream);
+  float ms = events.elapsed_ms();
   if (ms <= give_up_above_ms) {
     // Then the steady state of a training loop: calls queued back to back, about a millisecond of them. One call
     // runs ahead of the start event so that the GPU is busy while the timed calls are enqueued: the time per call is
@@ -198,17 +236,74 @@ float time_on_stream(const std::function<void()>& fn, float give_up_above_ms) {
     // which would favour whichever candidate has less host work (a graph over ATen) on small problems.
     const int calls = std::clamp(static_cast<int>(std::ceil(1.0f / std::max(ms, 1e-3f))), 3, 20);
     fn();
-    C10_CUDA_CHECK(cudaEventRecord(start, stream));
+    events.record_start(stream);
     for (int i = 0; i < calls; ++i) {
       fn();
     }
-    C10_CUDA_CHECK(cudaEventRecord(stop, stream));
-    ms = elapsed_ms() / static_cast<float>(calls);
+    events.record_stop(stream);
+    ms = events.elapsed_ms() / static_cast<float>(calls);
   }
-  C10_CUDA_CHECK(cudaEventDestroy(start));
-  C10_CUDA_CHECK(cudaEventDestroy(stop));
   return ms;
 }
+
+// After a candidate's execution threw: a non-sticky error left by the failed launch is cleared (the next candidate
+// may run), a sticky one (the context is broken: an illegal address, a device-side assert) is raised, since no other
+// candidate could run either. Never during capture, where stream queries would invalidate the capture.
+void raise_if_context_broken() {
+  (void)cudaGetLastError();
+  const cudaError_t status = cudaStreamQuery(c10::cuda::getCurrentCUDAStream());
+  if (status != cudaSuccess && status != cudaErrorNotReady) {
+    C10_CUDA_CHECK(status);
+  }
+}
+
+namespace {
+
+enum class Trial { Ran, Failed, NoMemory };
+
+// Runs candidate `index` of `graph` with a workspace of its own: timed (time_on_stream, `*ms`) or once. A failing
+// execution or workspace allocation is noted in `choice` and reported, never thrown (but see raise_if_context_broken).
+Trial try_candidate(
+    fe::graph::Graph& graph,
+    int64_t index,
+    int64_t workspace_bytes,
+    const std::function<void(int64_t, void*)>& run,
+    c10::Device device,
+    bool timed,
+    float give_up,
+    EngineChoice& choice,
+    float* ms) {
+  std::string name;
+  (void)graph.get_plan_name_at_index(index, name);
+  at::Tensor workspace;
+  try {
+    workspace = at::empty({workspace_bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  } catch (const c10::OutOfMemoryError&) {
+    note_rejection(choice, name + ": workspace of " + std::to_string(workspace_bytes) + " bytes: out of memory");
+    choice.transient = true;
+    return Trial::NoMemory;
+  }
+  void* workspace_ptr = workspace.data_ptr();
+  try {
+    if (timed) {
+      *ms = time_on_stream([&] { run(index, workspace_ptr); }, give_up);
+    } else {
+      run(index, workspace_ptr);
+    }
+  } catch (const c10::OutOfMemoryError&) {
+    note_rejection(choice, name + ": out of memory while running");
+    choice.transient = true;
+    return Trial::NoMemory;
+  } catch (const c10::Error& e) {
+    raise_if_context_broken();
+    ++choice.execution_failures;
+    note_rejection(choice, name + ": built but failed to execute: " + e.what_without_backtrace());
+    return Trial::Failed;
+  }
+  return Trial::Ran;
+}
+
+} // namespace
 
 EngineChoice select_engine(
     fe::graph::Graph& graph,
@@ -223,7 +318,7 @@ EngineChoice select_engine(
     choice.build_seconds = seconds_since(start);
     return choice;
   }
-  if (policy.sweep_engines) {
+  if (policy.sweep_engines()) {
     add_unoffered_engines(graph, choice);
   }
   // Filters as PyTorch applies them, per graph: TF32 engines carry TENSOR_CORE on FLOAT graphs. Reductions in
@@ -243,16 +338,23 @@ EngineChoice select_engine(
 
   const int64_t count = graph.get_execution_plan_count();
   choice.heuristic_candidates = count;
+  auto workspace_of = [&](int64_t index) {
+    int64_t bytes = 0;
+    (void)graph.get_workspace_size_plan_at_index(index, bytes);
+    return bytes;
+  };
+  const int max_candidates = policy.max_candidates();
+  const bool timed = policy.time_candidates();
   std::vector<int64_t> built;
   // Precompiled engines first: they build in microseconds, while runtime-compiled ones take 0.05-5 s and
-  // were never the fastest fused engine on the H200; they are tried only when no precompiled one builds.
-  for (int pass = 0; pass < 2 && static_cast<int>(built.size()) < policy.max_candidates; ++pass) {
-    for (int64_t i = 0; i < count && static_cast<int>(built.size()) < policy.max_candidates; ++i) {
+  // were never the fastest fused engine on the H200; they are tried only when no precompiled one builds (and runs).
+  for (int pass = 0; pass < 2 && static_cast<int>(built.size()) < max_candidates; ++pass) {
+    if (pass == 1 && !built.empty()) {
+      break;
+    }
+    for (int64_t i = 0; i < count && static_cast<int>(built.size()) < max_candidates; ++i) {
       if (is_runtime_compiled(graph, i) != (pass == 1)) {
         continue;
-      }
-      if (pass == 1 && !built.empty()) {
-        break;
       }
       auto status = graph.build_plan_at_index(i);
       if (status.is_bad()) {
@@ -261,22 +363,17 @@ EngineChoice select_engine(
         note_rejection(choice, (name.empty() ? "plan " + std::to_string(i) : name) + ": " + status.get_message());
         continue;
       }
+      // An untimed choice runs once before it is accepted; timed candidates run while they are timed, below.
+      if (!timed && policy.verify_by_running &&
+          try_candidate(graph, i, workspace_of(i), run, device, /*timed=*/false, 0, choice, nullptr) != Trial::Ran) {
+        continue;
+      }
       built.push_back(i);
     }
   }
   choice.built = static_cast<int64_t>(built.size());
-  if (built.empty()) {
-    choice.build_seconds = seconds_since(start);
-    return choice;
-  }
 
-  auto workspace_of = [&](int64_t index) {
-    int64_t bytes = 0;
-    (void)graph.get_workspace_size_plan_at_index(index, bytes);
-    return bytes;
-  };
-  choice.plan_index = built.front();
-  if (policy.time_candidates && built.size() > 1) {
+  if (timed && policy.verify_by_running) {
     float best = std::numeric_limits<float>::infinity();
     for (const int64_t index : built) {
       if (seconds_since(start) > kTimingBudgetSeconds && !std::isinf(best)) {
@@ -284,21 +381,17 @@ EngineChoice select_engine(
         choice.rejected.push_back("timing budget of 2 s spent: the remaining candidates were not timed");
         break;
       }
-      std::string name;
-      (void)graph.get_plan_name_at_index(index, name);
-      at::Tensor workspace;
-      try {
-        workspace = at::empty({workspace_of(index)}, at::TensorOptions().dtype(at::kByte).device(device));
-      } catch (const c10::OutOfMemoryError&) {
-        note_rejection(choice, name + ": workspace of " + std::to_string(workspace_of(index)) + " bytes: out of memory");
-        continue;
-      }
-      void* workspace_ptr = workspace.data_ptr();
       // Abandoned after its first run when that was over 3x (and 5 ms more than) the best so far: slow engines
       // (150 ms for eng0 on an N=1024 fp32 problem) would otherwise dominate the cold first call. The margin
       // covers a new plan's one-off first-execution cost (~2 ms).
       const float give_up = std::isinf(best) ? best : std::max(3 * best, best + 5.0f);
-      const float ms = time_on_stream([&] { run(index, workspace_ptr); }, give_up);
+      float ms = 0;
+      if (try_candidate(graph, index, workspace_of(index), run, device, /*timed=*/true, give_up, choice, &ms) !=
+          Trial::Ran) {
+        continue;
+      }
+      std::string name;
+      (void)graph.get_plan_name_at_index(index, name);
       choice.timings.emplace_back(name, ms);
       if (ms < best) {
         best = ms;
@@ -306,6 +399,12 @@ EngineChoice select_engine(
         choice.measured_ms = ms;
       }
     }
+  } else if (!built.empty()) {
+    choice.plan_index = built.front();
+  }
+  if (choice.plan_index < 0) {
+    choice.build_seconds = seconds_since(start);
+    return choice;
   }
   (void)graph.get_plan_name_at_index(choice.plan_index, choice.engine);
   choice.workspace_bytes = workspace_of(choice.plan_index);
@@ -323,6 +422,11 @@ void execute_graph(
     void* workspace,
     VariantPack& pack,
     const std::function<std::string()>& what) {
+  if (take_injected_failure()) {
+    throw_graph_error(
+        "executing the " + what(), fe::error_t{fe::error_code_t::CUDNN_BACKEND_API_FAILED, "injected failure (test hook)"},
+        "");
+  }
   auto status = graph.execute_plan_at_index(at::native::getCudnnHandle(), pack, workspace, plan_index);
   if (status.is_bad()) {
     throw_graph_error("executing the " + what(), status, "");
@@ -348,11 +452,17 @@ void execute_plan(
     allocator_message = e.what_without_backtrace();
   }
   const bool has_fallback = engine.fallback_plan_index >= 0;
+  // Under determinism the plan chosen for the key is the one that runs: another engine would round differently.
+  const bool deterministic = current_math_flags().deterministic;
   TORCH_CHECK_WITH(
-      OutOfMemoryError, has_fallback && knobs().workspace_fallback, "convbias: out of memory allocating the ",
-      engine.workspace_bytes, "-byte workspace of the ", what(), " (engine ", engine.engine, "), and ",
-      has_fallback ? "TORCH_CONVBIAS_WORKSPACE_FALLBACK=off forbids running its lower-workspace plan"
-                   : "no plan needing less workspace builds for it",
+      OutOfMemoryError, has_fallback && knobs().workspace_fallback && !deterministic,
+      "convbias: out of memory allocating the ", engine.workspace_bytes, "-byte workspace of the ", what(),
+      " (engine ", engine.engine, "), and ",
+      !has_fallback ? "no plan needing less workspace builds for it"
+          : deterministic
+          ? "torch.backends.cudnn.deterministic or torch.use_deterministic_algorithms(True) is set, so its "
+            "lower-workspace plan (" + engine.fallback_engine + ", another engine with other rounding) is not substituted"
+          : "TORCH_CONVBIAS_WORKSPACE_FALLBACK=off forbids running its lower-workspace plan",
       ". Free GPU memory (or use smaller tensors) and call again. The allocator said: ", allocator_message);
   fe::graph::Graph& fallback_graph = engine.fallback_graph ? *engine.fallback_graph : graph;
   at::Tensor workspace;
@@ -451,26 +561,24 @@ bool finalize_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string* 
   return true;
 }
 
-bool timing_allowed() {
-  return knobs().autotune != "off" && !stream_is_capturing();
-}
-
-bool exhaustive_tuning(const MathFlags& flags) {
-  const auto& k = knobs();
-  return (k.autotune == "on" || (k.autotune == "auto" && flags.benchmark)) && timing_allowed();
+int SelectionPolicy::max_candidates() const {
+  switch (tuning) {
+    case Tuning::Untimed: return 1;
+    case Tuning::Quick: return 3;
+    case Tuning::Exhaustive: return 128;
+  }
+  return 1;
 }
 
 SelectionPolicy default_policy(at::ScalarType dtype, const MathFlags& flags) {
-  const auto& k = knobs();
   const bool capturing = stream_is_capturing();
-  const bool untimed = capturing || k.autotune == "off"; // !timing_allowed(), without asking the stream twice
+  const Tuning requested = requested_tuning(flags);
   return SelectionPolicy{
       /*float32_io=*/dtype == at::kFloat,
       flags,
-      /*max_candidates=*/untimed ? 1 : (exhaustive_tuning(flags) ? 128 : 3),
-      /*time_candidates=*/!untimed,
-      /*allow_runtime_compiled=*/k.allow_runtime_compiled && !capturing,
-      /*sweep_engines=*/!untimed && exhaustive_tuning(flags)};
+      /*tuning=*/capturing ? Tuning::Untimed : requested,
+      /*allow_runtime_compiled=*/knobs().allow_runtime_compiled && !capturing,
+      /*verify_by_running=*/!capturing};
 }
 
 } // namespace convbias::cuda

@@ -8,6 +8,7 @@
 
 #include "conv_args.h"
 #include "cuda/knobs.h"
+#include "cuda/math_flags.h"
 #include "cuda/timing.h"
 
 #include <array>
@@ -36,14 +37,6 @@ at::Tensor aligned_for_cudnn(const at::Tensor& t, at::MemoryFormat format, bool*
 std::string last_cudnn_error();
 
 
-// The numerical promises a call makes, from torch's flags at call time.
-struct MathFlags {
-  bool allow_tf32; // torch.backends.cudnn.allow_tf32 (only matters for float32)
-  bool deterministic; // torch.use_deterministic_algorithms(True)
-  bool benchmark; // torch.backends.cudnn.benchmark
-};
-MathFlags current_math_flags();
-
 // The plan picked for a graph, and how it was picked.
 struct EngineChoice {
   int64_t plan_index = -1;
@@ -58,6 +51,10 @@ struct EngineChoice {
   int64_t built = 0; // plans that built
   std::vector<std::string> rejected; // why candidates were dropped (first few)
   std::vector<std::pair<std::string, float>> timings; // (engine, ms) of each timed candidate
+  int64_t execution_failures = 0; // candidates that built but failed to execute (skipped, as ATen's own graph code does)
+  // A candidate was skipped because its workspace could not be allocated: the choice is not final (never stored on
+  // disk; when no plan was chosen, not cached either).
+  bool transient = false;
   // The plan run instead when the chosen plan's workspace cannot be allocated (execute_plan): the precompiled
   // plan needing the least workspace, less than the chosen one's. Index -1: none (the chosen plan needs no
   // workspace, or no plan needing less builds). `fallback_graph` holds it when it is not in the chosen plan's
@@ -71,17 +68,25 @@ struct EngineChoice {
 struct SelectionPolicy {
   bool float32_io; // FLOAT graph: TENSOR_CORE notes mean TF32
   MathFlags flags;
-  int max_candidates; // plans to build (and time, if `time_candidates`)
-  bool time_candidates;
+  Tuning tuning;
   bool allow_runtime_compiled;
-  // Also every engine the heuristics did not offer, with its default knobs (cudnn.benchmark): the engine sweep on
-  // the H200 found engines 10-40% faster than nn.Conv2d's convolution that heuristics rank low or not at all.
-  bool sweep_engines = false;
+  // Run an untimed choice once before accepting it (a plan that builds may still fail to execute). Off during CUDA
+  // graph capture, where nothing may run outside the captured work.
+  bool verify_by_running;
+
+  // Plans to build (and time, unless Untimed): 1, 3, or every engine that builds.
+  int max_candidates() const;
+  bool time_candidates() const { return tuning != Tuning::Untimed; }
+  // Also every engine the heuristics did not offer, with its default knobs (Exhaustive): the engine sweep on the
+  // H200 found engines 10-40% faster than nn.Conv2d's convolution that heuristics rank low or not at all.
+  bool sweep_engines() const { return tuning == Tuning::Exhaustive; }
 };
 
 // Heuristics (mode A, then FALLBACK), numerical-note filters, then builds plans in heuristic order, preferring
-// precompiled engines, until `max_candidates` built; times them with `run` when asked and keeps the fastest.
-// Returns plan_index -1 (and the reasons in `rejected`) when no plan builds.
+// precompiled engines, until `max_candidates` built; times them with `run` and keeps the fastest, or (Untimed) runs
+// the first once. A candidate whose execution fails is skipped and the next one tried, so a returned plan has
+// executed successfully (except during capture). Returns plan_index -1 (and the reasons in `rejected`) when no plan
+// builds and runs.
 EngineChoice select_engine(
     fe::graph::Graph& graph,
     cudnnHandle_t handle,
@@ -120,13 +125,9 @@ std::shared_ptr<fe::graph::Tensor_attributes> packed_tensor(
 // validate() and build_operation_graph(); false with the reason (cuDNN's too) when cuDNN refuses the graph.
 bool finalize_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string* why);
 
-// The selection policy for a graph of `dtype` under `flags`, the environment knobs and capture state: 3 timed
-// candidates by default; with cudnn.benchmark (or TORCH_CONVBIAS_AUTOTUNE=on) every engine that builds (heuristics'
-// configurations plus the engine sweep), within a time budget; 1 untimed when capturing or off.
+// The selection policy for a graph of `dtype` under `flags`, the environment knobs and capture state
+// (current_tuning; runtime-compiled engines and verification runs are off during capture).
 SelectionPolicy default_policy(at::ScalarType dtype, const MathFlags& flags);
-
-// Whether the policy is the exhaustive one (cudnn.benchmark or TORCH_CONVBIAS_AUTOTUNE=on), outside capture.
-bool exhaustive_tuning(const MathFlags& flags);
 
 // Tensor uid -> data pointer, as the graphs' execute takes them.
 using VariantPack = std::unordered_map<int64_t, void*>;
@@ -159,9 +160,10 @@ void execute_graph(
 
 // Runs `engine`'s plan of `graph` like execute_graph, with a workspace of the plan's size from the caching
 // allocator (none when the plan needs none): what every per-call execution does. When that allocation fails, the
-// engine's lower-workspace fallback plan runs instead (counted in workspace_fallbacks()); without one (or with
-// TORCH_CONVBIAS_WORKSPACE_FALLBACK=off) it raises c10::OutOfMemoryError (torch.OutOfMemoryError) naming the graph,
-// the engine and the bytes asked for.
+// engine's lower-workspace fallback plan runs instead (counted in workspace_fallbacks()); without one, with
+// TORCH_CONVBIAS_WORKSPACE_FALLBACK=off, or under determinism (cudnn.deterministic / use_deterministic_algorithms:
+// another engine rounds differently) it raises c10::OutOfMemoryError (torch.OutOfMemoryError) naming the graph, the
+// engine, the bytes asked for and why no other plan ran.
 void execute_plan(
     fe::graph::Graph& graph,
     const EngineChoice& engine,
@@ -172,9 +174,18 @@ void execute_plan(
 // How many calls ran their engine's lower-workspace fallback plan because a workspace allocation failed.
 int64_t workspace_fallbacks();
 
+// Test hook (convbias::_inject_execution_failures): the next `count` graph executions fail as a failing cuDNN
+// execute would, before reaching cuDNN. 0 clears it.
+void inject_execution_failures(int64_t count);
+
 // A workspace of `bytes` for timing candidates, or an undefined tensor when the allocation fails (out of memory):
 // a measurement is skipped rather than failing the call that builds the plan.
 at::Tensor try_workspace(int64_t bytes, const at::TensorOptions& options);
+
+// After a cuDNN call threw: clears a non-sticky CUDA error it left (so that the next candidate may run) and raises a
+// sticky one (the context is broken: an illegal address, a device-side assert), which no other candidate survives.
+// Not during CUDA graph capture (it queries the stream).
+void raise_if_context_broken();
 
 // Throws a c10::Error describing `what` (which graph, its shapes) with the frontend's and cuDNN's messages.
 [[noreturn]] void throw_graph_error(const std::string& what, fe::error_t status, const std::string& hint);

@@ -32,8 +32,8 @@ const Knobs& knobs() {
         "TORCH_CONVBIAS_PATH must be auto, fused, unfused or aten, got '", result.path, "'");
     result.autotune = env_or("TORCH_CONVBIAS_AUTOTUNE", "auto");
     TORCH_CHECK_VALUE(
-        result.autotune == "auto" || result.autotune == "off" || result.autotune == "on",
-        "TORCH_CONVBIAS_AUTOTUNE must be auto, off or on, got '", result.autotune, "'");
+        result.autotune == "auto" || result.autotune == "off" || result.autotune == "quick" || result.autotune == "on",
+        "TORCH_CONVBIAS_AUTOTUNE must be auto, off, quick or on, got '", result.autotune, "'");
     result.param_grad = env_or("TORCH_CONVBIAS_PARAM_GRAD", "cudnn");
     TORCH_CHECK_VALUE(
         result.param_grad == "aten" || result.param_grad == "cudnn",

@@ -2,6 +2,7 @@
 // graph kind, device, dtype, sizes, strides, conv parameters, math flags and pointer alignments.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <list>
@@ -9,6 +10,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace convbias::cuda {
@@ -32,19 +34,26 @@ struct CacheStats {
 };
 
 // Values are immutable once inserted and shared with callers, so an eviction never frees a plan in use.
+// `Plan` has a `bool transient` member: a plan built under a transient condition (a workspace that could not be
+// allocated while choosing) is returned to its caller but not kept.
 template <typename Plan>
 class PlanCache {
  public:
   explicit PlanCache(int64_t capacity) : capacity_(capacity) {}
 
-  // The cached plan for `key`, or the one `build` makes (built outside the lock: a slow build does not block
-  // other keys; two threads missing the same key both build, and the first insert wins). `was_cached`, when
-  // given, says whether it was found (a hit); `build_seconds_out` the build's time on a miss.
+  // The cached plan for `key`, or the one `build` makes. One build per key at a time: a thread missing a key that
+  // another thread is building waits for that build (building and timing the same candidates twice on one GPU would
+  // cost twice and disturb both timings), while builds of other keys go on in parallel (outside the lock). When a
+  // build throws or its plan is transient, a waiting thread builds in turn. `was_cached`, when given, says whether
+  // the plan came from the cache (a hit, also after waiting); `build_seconds_out` the build's time on a miss.
   std::shared_ptr<const Plan> get_or_build(
       const PlanKey& key,
       const std::function<std::shared_ptr<const Plan>()>& build,
       double* build_seconds_out,
       bool* was_cached = nullptr);
+
+  // The cached plan for `key` (counted as a hit), or null (not counted: the caller builds through get_or_build).
+  std::shared_ptr<const Plan> find(const PlanKey& key);
 
   CacheStats stats() const;
   void clear();
@@ -52,9 +61,11 @@ class PlanCache {
  private:
   using Entry = std::pair<PlanKey, std::shared_ptr<const Plan>>;
   mutable std::mutex mutex_;
+  std::condition_variable built_; // signalled whenever a build ends
   int64_t capacity_;
   std::list<Entry> order_; // most recently used first
   std::unordered_map<PlanKey, typename std::list<Entry>::iterator, PlanKeyHash> index_;
+  std::unordered_set<PlanKey, PlanKeyHash> building_; // keys whose build is under way
   CacheStats stats_;
 };
 

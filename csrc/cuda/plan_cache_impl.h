@@ -14,36 +14,69 @@ inline size_t PlanKeyHash::operator()(const PlanKey& key) const {
 }
 
 template <typename Plan>
+std::shared_ptr<const Plan> PlanCache<Plan>::find(const PlanKey& key) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = index_.find(key);
+  if (it == index_.end()) {
+    return nullptr;
+  }
+  order_.splice(order_.begin(), order_, it->second);
+  ++stats_.hits;
+  return it->second->second;
+}
+
+template <typename Plan>
 std::shared_ptr<const Plan> PlanCache<Plan>::get_or_build(
     const PlanKey& key,
     const std::function<std::shared_ptr<const Plan>()>& build,
     double* build_seconds_out,
     bool* was_cached) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = index_.find(key);
-    const bool hit = it != index_.end();
-    if (was_cached != nullptr) {
-      *was_cached = hit;
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      auto it = index_.find(key);
+      if (it != index_.end()) {
+        if (was_cached != nullptr) {
+          *was_cached = true;
+        }
+        order_.splice(order_.begin(), order_, it->second);
+        ++stats_.hits;
+        return it->second->second;
+      }
+      if (building_.count(key) == 0) {
+        break;
+      }
+      built_.wait(lock);
     }
-    if (hit) {
-      order_.splice(order_.begin(), order_, it->second);
-      ++stats_.hits;
-      return it->second->second;
+    if (was_cached != nullptr) {
+      *was_cached = false;
     }
     ++stats_.misses;
+    building_.insert(key);
   }
+  // Whatever happens, the key stops being "under way" and waiting threads look again.
+  auto finish = [&] {
+    building_.erase(key);
+    built_.notify_all();
+  };
   const auto start = std::chrono::steady_clock::now();
-  std::shared_ptr<const Plan> plan = build();
+  std::shared_ptr<const Plan> plan;
+  try {
+    plan = build();
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    finish();
+    throw;
+  }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (build_seconds_out != nullptr) {
     *build_seconds_out = seconds;
   }
   std::lock_guard<std::mutex> lock(mutex_);
+  finish();
   stats_.build_seconds += seconds;
-  auto it = index_.find(key);
-  if (it != index_.end()) {
-    return it->second->second;
+  if (plan->transient) {
+    return plan;
   }
   order_.emplace_front(key, plan);
   index_.emplace(key, order_.begin());

@@ -16,7 +16,14 @@
 #include <sstream>
 #include <thread>
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <mutex>
+#include <set>
 
 #include "cuda/knobs.h"
 
@@ -26,10 +33,13 @@ namespace {
 namespace fs = std::filesystem;
 
 // Bumped whenever a record's layout or the meaning of a key's fields changes: older files are then rejected.
-constexpr int64_t kFormatVersion = 1;
+// 2: the knobs and "timed" in every file, the graph's description stored with its plan.
+constexpr int64_t kFormatVersion = 2;
 constexpr char kMagic[8] = {'C', 'V', 'B', 'P', 'L', 'A', 'N', '1'};
 
 std::atomic<int64_t> hit_count{0}, miss_count{0}, write_count{0}, reject_count{0};
+std::mutex rejection_mutex;
+std::string last_rejection_reason;
 
 // FNV-1a, 64 bits: catches truncated and corrupted files (not a defence against a forger, who could write any
 // file the process can read anyway).
@@ -52,6 +62,18 @@ Json environment() {
       {"cudnn", static_cast<int64_t>(cudnnGetVersion())},
       {"cudnn_frontend", static_cast<int64_t>(CUDNN_FRONTEND_VERSION)},
       {"format", kFormatVersion}};
+}
+
+// The TORCH_CONVBIAS_* knobs that shape a choice: a record made under other values is not used.
+Json knob_values() {
+  const Knobs& k = knobs();
+  return Json{
+      {"path", k.path},
+      {"nchw", k.nchw},
+      {"autotune", k.autotune},
+      {"no_runtime_compilation", !k.allow_runtime_compiled},
+      {"param_grad", k.param_grad},
+      {"bias_grad", k.bias_grad}};
 }
 
 // A directory name for the environment: readable, one per GPU model and library versions.
@@ -115,8 +137,17 @@ std::optional<Json> parse(
     *why = "written for another GPU, cuDNN, frontend or format";
     return std::nullopt;
   }
+  if (j.value("knobs", Json()) != knob_values()) {
+    *why = "written under other TORCH_CONVBIAS_* knobs (" + j.value("knobs", Json()).dump() + ", now " +
+        knob_values().dump() + ")";
+    return std::nullopt;
+  }
   if (j.value("kind", std::string()) != kind || j.value("key", Json()) != Json(fields)) {
     *why = "written for another problem";
+    return std::nullopt;
+  }
+  if (j.value("timed", false) != true) {
+    *why = "an untimed choice";
     return std::nullopt;
   }
   if (!j.contains("record") || !j["record"].is_object()) {
@@ -145,7 +176,8 @@ std::optional<std::vector<uint8_t>> serialize_plan(fe::graph::Graph& graph, int6
       return std::nullopt;
     }
     std::vector<uint8_t> data;
-    if (graph.serialize(data, /*serialize_structure=*/false).is_bad()) {
+    // With the graph's structure: its tensors' dims and strides are checked against the problem on load.
+    if (graph.serialize(data, /*serialize_structure=*/true).is_bad()) {
       return std::nullopt;
     }
     return data;
@@ -164,10 +196,87 @@ std::shared_ptr<fe::graph::Graph> deserialize_plan(const std::vector<uint8_t>& d
       return nullptr;
     }
   } catch (const std::exception& e) {
+    // The frontend throws where the backend refuses the plan; a broken CUDA context is not a refusal.
+    raise_if_context_broken();
     *why = std::string("cuDNN did not rebuild the plan: ") + e.what();
     return nullptr;
   }
   return graph;
+}
+
+// Whether the graph stored with a plan (serialize_plan) has the expected tensors.
+bool structure_matches(const std::vector<uint8_t>& data, const ExpectedTensors& expected, std::string* why) {
+  const Json j = Json::from_ubjson(data, /*strict=*/true, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.contains("tensors") || !j["tensors"].is_array()) {
+    *why = "the stored plan has no graph description";
+    return false;
+  }
+  std::map<int64_t, TensorShape> stored;
+  for (const auto& t : j["tensors"]) {
+    if (t.contains("uid") && t.contains("dim") && t.contains("stride")) {
+      stored[t["uid"].get<int64_t>()] = {t["dim"].get<std::vector<int64_t>>(), t["stride"].get<std::vector<int64_t>>()};
+    }
+  }
+  for (const auto& [uid, shape] : expected) {
+    auto it = stored.find(uid);
+    if (it == stored.end() || it->second.dims != shape.dims || it->second.strides != shape.strides) {
+      std::ostringstream s;
+      s << "the stored plan's tensor " << uid << " is "
+        << (it == stored.end() ? std::string("missing")
+                               : "dims " + Json(it->second.dims).dump() + " strides " + Json(it->second.strides).dump())
+        << ", the problem's dims " << Json(shape.dims).dump() << " strides " << Json(shape.strides).dump();
+      *why = s.str();
+      return false;
+    }
+  }
+  return true;
+}
+
+// Creates the missing directories of `dir`, each private to the user (0700); false when one cannot be created.
+bool create_private_directories(const fs::path& dir) {
+  std::error_code error;
+  fs::path prefix;
+  for (const auto& part : dir) {
+    prefix /= part;
+    if (fs::exists(prefix, error)) {
+      continue;
+    }
+    if (::mkdir(prefix.c_str(), 0700) != 0 && errno != EEXIST) {
+      return false;
+    }
+  }
+  return fs::is_directory(dir, error);
+}
+
+// Removes temporary files (`<name>.tmp.<pid>.<thread>`) of processes that no longer exist, and any older than an
+// hour, from `dir`: once per directory and process.
+void remove_stale_temporaries(const fs::path& dir) {
+  static std::mutex mutex;
+  static std::set<std::string> swept;
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (!swept.insert(dir.string()).second) {
+      return;
+    }
+  }
+  std::error_code error;
+  const auto now = fs::file_time_type::clock::now();
+  for (fs::directory_iterator it(dir, error), end; !error && it != end; it.increment(error)) {
+    const std::string name = it->path().filename().string();
+    const size_t tmp = name.find(".tmp.");
+    if (tmp == std::string::npos) {
+      continue;
+    }
+    const long pid = std::strtol(name.c_str() + tmp + 5, nullptr, 10);
+    const bool writer_gone = pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+    std::error_code time_error;
+    const auto written = fs::last_write_time(it->path(), time_error);
+    const bool old = !time_error && now - written > std::chrono::hours(1);
+    if (writer_gone || old) {
+      std::error_code remove_error;
+      fs::remove(it->path(), remove_error);
+    }
+  }
 }
 
 } // namespace
@@ -183,6 +292,7 @@ std::optional<Json> load(const char* kind, const PlanKey& key) {
   const Json env = environment();
   const std::vector<int64_t> fields = disk_key(key);
   const fs::path path = record_path(kind, fields, env);
+  remove_stale_temporaries(path.parent_path());
   const auto bytes = read_file(path);
   if (!bytes) {
     ++miss_count;
@@ -192,6 +302,7 @@ std::optional<Json> load(const char* kind, const PlanKey& key) {
   auto record = parse(*bytes, kind, fields, env, &why);
   if (!record) {
     ++reject_count;
+    note_rejection(why);
     warn_once("ignored " + path.string() + ": " + why);
     return std::nullopt;
   }
@@ -205,20 +316,44 @@ void save(const char* kind, const PlanKey& key, const Json& record) {
   const Json env = environment();
   const std::vector<int64_t> fields = disk_key(key);
   const fs::path path = record_path(kind, fields, env);
-  const std::vector<uint8_t> body = Json::to_cbor(Json{{"environment", env}, {"kind", kind}, {"key", fields}, {"record", record}});
+  const std::vector<uint8_t> body = Json::to_cbor(Json{
+      {"environment", env}, {"knobs", knob_values()}, {"kind", kind}, {"key", fields}, {"timed", true},
+      {"record", record}});
   const uint64_t sum = checksum(body);
   std::ostringstream tmp_name;
   tmp_name << path.filename().string() << ".tmp." << getpid() << "." << std::this_thread::get_id();
   const fs::path tmp = path.parent_path() / tmp_name.str();
   std::error_code error;
-  fs::create_directories(path.parent_path(), error);
+  if (!create_private_directories(path.parent_path())) {
+    warn_once("cannot create " + path.parent_path().string() + " (" + std::strerror(errno) + "); plans are not stored");
+    return;
+  }
+  remove_stale_temporaries(path.parent_path());
   {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(kMagic, sizeof(kMagic));
-    out.write(reinterpret_cast<const char*>(&sum), sizeof(sum));
-    out.write(reinterpret_cast<const char*>(body.data()), static_cast<std::streamsize>(body.size()));
-    if (!out) {
-      warn_once("cannot write " + tmp.string() + (error ? " (" + error.message() + ")" : "") + "; plans are not stored");
+    // Private to the user whatever the umask: plans are loaded into cuDNN from here.
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    bool written = fd >= 0 && ::fchmod(fd, 0600) == 0;
+    auto write_all = [&](const void* data, size_t size) {
+      const char* p = static_cast<const char*>(data);
+      while (written && size > 0) {
+        const ssize_t n = ::write(fd, p, size);
+        if (n < 0 && errno == EINTR) {
+          continue;
+        }
+        written = n > 0;
+        p += written ? n : 0;
+        size -= written ? static_cast<size_t>(n) : size;
+      }
+    };
+    write_all(kMagic, sizeof(kMagic));
+    write_all(&sum, sizeof(sum));
+    write_all(body.data(), body.size());
+    const int saved_errno = errno;
+    if (fd >= 0 && ::close(fd) != 0) {
+      written = false;
+    }
+    if (!written) {
+      warn_once("cannot write " + tmp.string() + " (" + std::strerror(saved_errno) + "); plans are not stored");
       fs::remove(tmp, error);
       return;
     }
@@ -249,6 +384,8 @@ std::vector<std::pair<std::string, float>> timings_from(const Json& j) {
   return timings;
 }
 
+namespace {
+
 std::optional<Json> graph_record(fe::graph::Graph& graph, const EngineChoice& e) {
   std::optional<std::vector<uint8_t>> fallback;
   if (e.fallback_plan_index >= 0 && !e.fallback_graph) {
@@ -276,10 +413,19 @@ std::optional<Json> graph_record(fe::graph::Graph& graph, const EngineChoice& e)
         {"fallback_workspace_bytes", e.fallback_workspace_bytes}}}};
 }
 
-std::optional<LoadedGraph> load_graph(const Json& record, std::string* why) {
+struct LoadedGraph {
+  std::shared_ptr<fe::graph::Graph> graph;
+  EngineChoice engine;
+};
+
+std::optional<LoadedGraph> load_graph(const Json& record, const ExpectedTensors& expected, std::string* why) {
   const auto start = std::chrono::steady_clock::now();
   LoadedGraph loaded;
-  loaded.graph = deserialize_plan(as_bytes(record.at("plan")), why);
+  const std::vector<uint8_t> plan = as_bytes(record.at("plan"));
+  if (!structure_matches(plan, expected, why)) {
+    return std::nullopt;
+  }
+  loaded.graph = deserialize_plan(plan, why);
   if (!loaded.graph) {
     return std::nullopt;
   }
@@ -319,6 +465,8 @@ std::optional<LoadedGraph> load_graph(const Json& record, std::string* why) {
   return loaded;
 }
 
+} // namespace
+
 bool put_graph(Json& record, const std::shared_ptr<fe::graph::Graph>& graph, const EngineChoice& engine) {
   record["graph"] = nullptr;
   if (!graph) {
@@ -333,12 +481,14 @@ bool put_graph(Json& record, const std::shared_ptr<fe::graph::Graph>& graph, con
 }
 
 bool take_graph(
-    const Json& record, std::shared_ptr<fe::graph::Graph>& graph, EngineChoice& engine, std::string* why) {
+    const Json& record, const ExpectedTensors& expected, std::shared_ptr<fe::graph::Graph>& graph,
+    EngineChoice& engine, std::string* why) {
   if (record.at("graph").is_null()) {
     return true;
   }
-  auto loaded = load_graph(record.at("graph"), why);
+  auto loaded = load_graph(record.at("graph"), expected, why);
   if (!loaded) {
+    note_rejection(*why);
     return false;
   }
   graph = loaded->graph;
@@ -346,8 +496,14 @@ bool take_graph(
   return true;
 }
 
+void note_rejection(const std::string& why) {
+  const std::lock_guard<std::mutex> lock(rejection_mutex);
+  last_rejection_reason = why;
+}
+
 StoreStats stats() {
-  return StoreStats{hit_count.load(), miss_count.load(), write_count.load(), reject_count.load()};
+  const std::lock_guard<std::mutex> lock(rejection_mutex);
+  return StoreStats{hit_count.load(), miss_count.load(), write_count.load(), reject_count.load(), last_rejection_reason};
 }
 
 void count_hit() {

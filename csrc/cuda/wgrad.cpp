@@ -36,11 +36,13 @@ std::shared_ptr<const WgradPlan> build_plan(
     const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw) {
   auto plan = std::make_shared<WgradPlan>();
   const SelectionPolicy policy = default_policy(p.dtype, p.flags);
+  plan->timed = policy.time_candidates();
   GraphAttempt attempt = build_graph_plan(
       [&](cudnnHandle_t handle, std::string* why) { return make_graph(p, handle, why); }, policy,
       variant_pack(x, dy, dw), x.device(), [&] { return "conv_wgrad graph for " + p.describe(); });
   if (!attempt.failure.empty()) {
     plan->notes.push_back("conv_wgrad graph rejected: " + attempt.failure + "; running ATen's convolution backward");
+    plan->transient = attempt.engine.transient;
     return plan;
   }
   plan->graph = attempt.graph;
@@ -49,7 +51,7 @@ std::shared_ptr<const WgradPlan> build_plan(
   // per key and keep the faster, so that this path is never slower than nn.Conv2d's backward (unmeasured, the
   // graph, when its workspace cannot be allocated now).
   const at::Tensor workspace =
-      policy.time_candidates ? try_workspace(plan->engine.workspace_bytes, x.options()) : at::Tensor();
+      policy.time_candidates() ? try_workspace(plan->engine.workspace_bytes, x.options()) : at::Tensor();
   if (workspace.defined()) {
     VariantPack pack = variant_pack(x, dy, dw);
     plan->graph_ms = time_on_stream([&] {
@@ -76,12 +78,17 @@ std::optional<plan_store::Json> plan_record(const WgradPlan& plan) {
   return plan_store::put_graph(r, plan.graph, plan.engine) ? std::optional(r) : std::nullopt;
 }
 
-std::shared_ptr<const WgradPlan> plan_from_record(const plan_store::Json& r) {
+std::shared_ptr<const WgradPlan> plan_from_record(const plan_store::Json& r, const WgradProblem& p) {
   auto plan = std::make_shared<WgradPlan>();
   std::string why;
-  if (!plan_store::take_graph(r, plan->graph, plan->engine, &why)) {
+  const plan_store::ExpectedTensors expected{
+      {kX, {as_vector(p.x_dims), channels_last_strides(p.x_dims)}},
+      {kDY, {as_vector(p.dy_dims), channels_last_strides(p.dy_dims)}},
+      {kDW, {as_vector(p.w_dims), channels_last_strides(p.w_dims)}}};
+  if (!plan_store::take_graph(r, expected, plan->graph, plan->engine, &why)) {
     return nullptr;
   }
+  plan->timed = true;
   plan->graph_ms = r.at("graph_ms").get<float>();
   plan->aten_ms = r.at("aten_ms").get<float>();
   plan->notes = r.at("notes").get<std::vector<std::string>>();
@@ -122,9 +129,9 @@ std::string WgradProblem::describe() const {
   return s.str();
 }
 
-PlanCache<WgradPlan>& wgrad_cache() {
-  static PlanCache<WgradPlan> cache(knobs().cache_size);
-  return cache;
+PlanCaches<WgradPlan>& wgrad_cache() {
+  static PlanCaches<WgradPlan> caches(knobs().cache_size);
+  return caches;
 }
 
 WeightGradRoute route_weight_grad(
@@ -158,14 +165,11 @@ WeightGradRoute route_weight_grad(
   p.alignments = {pointer_alignment(route.x), pointer_alignment(route.dy), pointer_alignment(route.dw)};
   p.flags = current_math_flags();
   const PlanKey key = p.key();
-  route.plan = wgrad_cache().get_or_build(
-      key,
-      [&] {
-        return plan_store::load_or_build<WgradPlan>(
-            "weight_grad", key, &plan_from_record, [&] { return build_plan(p, route.x, route.dy, route.dw); },
-            &plan_record);
-      },
-      &route.build_seconds, &route.was_cached);
+  route.plan = lookup_plan<WgradPlan>(
+      wgrad_cache(), "weight_grad", key, requested_tuning(p.flags) != Tuning::Untimed,
+      [&](const plan_store::Json& r) { return plan_from_record(r, p); },
+      [&] { return build_plan(p, route.x, route.dy, route.dw); }, &plan_record, &route.build_seconds,
+      &route.was_cached);
   return route;
 }
 
@@ -176,7 +180,7 @@ at::Tensor run_weight_grad(const WeightGradRoute& route, const at::Tensor& weigh
     return "conv_wgrad graph for " + route.problem.describe();
   });
   constexpr auto cl = at::MemoryFormat::ChannelsLast;
-  return route.dw.contiguous(is_channels_last(weight) ? cl : at::MemoryFormat::Contiguous);
+  return with_layout(route.dw, memory_format_of(weight));
 }
 
 } // namespace convbias::cuda

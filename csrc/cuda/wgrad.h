@@ -11,7 +11,7 @@
 
 #include "conv_args.h"
 #include "cuda/graph_common.h"
-#include "cuda/plan_cache.h"
+#include "cuda/plan_lookup.h"
 
 namespace convbias::cuda {
 
@@ -33,9 +33,11 @@ struct WgradPlan {
   float graph_ms = -1; // measured, when timing was allowed: the chosen graph plan ...
   float aten_ms = -1; // ... and ATen's weight gradient; the faster one is kept
   std::vector<std::string> notes;
+  bool timed = false; // graph candidates and graph vs ATen were timed
+  bool transient = false; // ATen because no candidate's workspace could be allocated now: neither cached nor stored
 };
 
-PlanCache<WgradPlan>& wgrad_cache();
+PlanCaches<WgradPlan>& wgrad_cache();
 
 // How param_grad computes the weight gradient for these tensors; shared by param_grad and explain_param_grad.
 struct WeightGradRoute {
