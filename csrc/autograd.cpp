@@ -34,10 +34,11 @@ at::Tensor input_gradient(
   return grad_input.to(input.scalar_type());
 }
 
-// A tensor of `input`'s shape, dtype and device over a single element (stride 0): what param_grad needs of the
-// input when only the bias gradient is asked for (its checks read shapes; no kernel reads the data).
+// A tensor of `input`'s shape, dtype and device over a single uninitialised element (stride 0): what param_grad needs
+// of the input when only the bias gradient is asked for (its checks read shapes; no kernel reads the data, so no fill
+// kernel is launched for it).
 at::Tensor input_stand_in(const at::Tensor& input) {
-  return at::zeros({}, input.options()).expand_symint(input.sym_sizes());
+  return at::empty({}, input.options()).expand_symint(input.sym_sizes());
 }
 
 class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
@@ -165,6 +166,13 @@ at::Tensor forward_autograd(
     c10::SymIntArrayRef padding,
     c10::SymIntArrayRef dilation,
     c10::SymInt groups) {
+  // Nothing to differentiate (inference, frozen layers, torch.no_grad): no autograd node, nothing saved.
+  const bool records = c10::GradMode::is_enabled() &&
+      (input.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->defined() && bias->requires_grad()));
+  if (!records) {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return forward_symint(input, weight, bias, stride, padding, dilation, std::move(groups));
+  }
   return ForwardFunction::apply(input, weight, bias, stride, padding, dilation, groups);
 }
 

@@ -1,12 +1,15 @@
-"""Under torch.autocast the op casts its inputs the way nn.Conv2d does."""
+"""Under torch.autocast the op casts its inputs the way nn.Conv2d does, and its gradients equal nn.Conv2d's."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 from conftest import cuda
 from torch import nn
 
+import torch_convbias
 from torch_convbias import ConvBias2d
 
 
@@ -19,19 +22,38 @@ from torch_convbias import ConvBias2d
     ],
 )
 def test_autocast_matches_conv2d(device: str, dtype: torch.dtype) -> None:
+    """Output and every gradient (to the fp32 parameters and input, through autocast's casts) equal nn.Conv2d's under
+    the same autocast; on CUDA the op's fused graph ran (explain on the cast tensors)."""
     torch.manual_seed(0)
     reference = nn.Conv2d(8, 16, 3, padding=1, device=device)
-    ours = ConvBias2d.from_conv(reference)
+    ours = ConvBias2d.from_conv(copy.deepcopy(reference))
     x = torch.randn(4, 8, 10, 10, device=device)
+    if device == "cuda":
+        x = x.contiguous(memory_format=torch.channels_last)
+        reference, ours = (m.to(memory_format=torch.channels_last) for m in (reference, ours))
+    x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
     with torch.autocast(device_type=device, dtype=dtype):
-        expected = reference(x)
-        out = ours(x)
+        expected = reference(x_ref)
+        out = ours(x_ours)
     assert expected.dtype == dtype
     assert out.dtype == expected.dtype
-    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
-    out.float().sum().backward()
-    # Gradients flow back through autocast's casts to the fp32 parameters.
-    assert ours.weight.grad is not None and ours.weight.grad.dtype == torch.float32
+    tol = {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(out, expected, **tol)
+    seed = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    out.backward(seed)
+    expected.backward(seed)
+    for name, got, want in (
+        ("input", x_ours.grad, x_ref.grad),
+        ("weight", ours.weight.grad, reference.weight.grad),
+        ("bias", ours.bias.grad, reference.bias.grad),
+    ):
+        # Gradients flow back through autocast's casts to the fp32 leaves.
+        assert got is not None and got.dtype == torch.float32, name
+        scale = max(1.0, want.abs().max().item())
+        torch.testing.assert_close(got, want, rtol=tol["rtol"], atol=tol["atol"] * scale, msg=lambda m: f"{name}: {m}")
+    if device == "cuda":
+        info = torch_convbias.explain(x.to(dtype), ours.weight.to(dtype), ours.bias.to(dtype), padding=1)
+        assert info["path"] == "fused", info
 
 
 def test_autocast_leaves_float64_alone() -> None:

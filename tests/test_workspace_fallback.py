@@ -28,8 +28,9 @@ def run_capped(fallback: str, *flags: str) -> dict[str, Any]:
     )  # fmt: skip
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    if "skip" in report:
-        pytest.skip(report["skip"])
+    # On the H200 the exhaustive search picks such a plan for several of the script's problems: finding none means
+    # the feature went untested, which is a failure, not a skip.
+    assert "skip" not in report, report
     return report
 
 

@@ -71,8 +71,9 @@ def _param_grad_fake(
 
 
 def _input_stand_in(input: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``input``'s shape over one element: what param_grad needs of the input for the bias gradient alone."""
-    return input.new_zeros(()).expand(input.shape)
+    """A tensor of ``input``'s shape over one (uninitialised) element: what param_grad needs of the input for the bias
+    gradient alone; its data is never read."""
+    return input.new_empty(()).expand(input.shape)
 
 
 def _cpu_computable(t: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,19 @@
 namespace convbias {
 namespace {
 
+// Milliseconds as JSON numbers. Every float goes through this: the nlohmann::json the cuDNN frontend ships writes
+// floats as hexadecimal strings of their bits (measured: -1.0f became "BF800000"); doubles stay numbers.
+double number(float ms) {
+  return static_cast<double>(ms);
+}
+
 // [[name, ms], ...]
 Json timings_json(const std::vector<std::pair<std::string, float>>& named) {
-  return cuda::plan_store::timings_json(named);
+  Json timings = Json::array();
+  for (const auto& [name, ms] : named) {
+    timings.push_back(Json::array({name, number(ms)}));
+  }
+  return timings;
 }
 
 // How the tensors run: channels_last (as given or copied), NCHW through a graph over NCHW strides, NCHW through
@@ -40,7 +50,7 @@ Json engine_json(const cuda::EngineChoice& e) {
       {"runtime_compiled", e.runtime_compiled},
       {"from_disk", e.from_disk},
       {"build_seconds", e.build_seconds},
-      {"measured_ms", e.measured_ms},
+      {"measured_ms", number(e.measured_ms)},
       {"heuristic_candidates", e.heuristic_candidates},
       {"swept", e.swept},
       {"built", e.built},
@@ -83,8 +93,8 @@ std::string explain_param_grad_cuda(
         {"problem", route.problem.describe()},
         {"cached", route.was_cached},
         {"plan_build_seconds", route.build_seconds},
-        {"graph_ms", plan.graph_ms},
-        {"aten_ms", plan.aten_ms},
+        {"graph_ms", number(plan.graph_ms)},
+        {"aten_ms", number(plan.aten_ms)},
         {"notes", plan.notes}};
     if (plan.graph) {
       weight_grad["engine"] = engine_json(plan.engine);
@@ -134,10 +144,10 @@ std::string explain_cuda(
       {"cached", route.was_cached},
       {"plan_build_seconds", route.build_seconds},
       {"tuned", plan->tuned},
-      {"fused_ms", plan->fused_ms},
-      {"unfused_ms", plan->unfused_ms},
-      {"graph_ms", plan->graph_ms},
-      {"aten_ms", plan->aten_ms},
+      {"fused_ms", number(plan->fused_ms)},
+      {"unfused_ms", number(plan->unfused_ms)},
+      {"graph_ms", number(plan->graph_ms)},
+      {"aten_ms", number(plan->aten_ms)},
       {"alignment", {{"input", a[0]}, {"weight", a[1]}, {"bias", a[2]}, {"output", a[3]}}},
       {"notes", plan->notes}});
   if (plan->path != cuda::FpropPath::Aten) {
