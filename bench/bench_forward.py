@@ -32,7 +32,7 @@ from torch import nn
 import torch_convbias
 
 from . import harness
-from .common import Mode, check_numerics, fmt, short_error
+from .common import Mode, check_against_float64, fmt, short_error
 
 # The suite lives in the shared driver; these names stay importable from here.
 from .harness import CPU_BATCH, CPU_MAX_HW, QUICK_SUITE, SUITE, Shape  # noqa: F401
@@ -129,16 +129,19 @@ class Problem:
 
 
 def make_problem(shape: Shape, mode: Mode, device: str, seed: int) -> Problem:
-    """Input ~ N(0, 1), weight and bias from nn.Conv2d's own initialisation, both layouts of each."""
+    """Input ~ N(0, 1), weight from nn.Conv2d's own initialisation, bias ~ N(0, 1) (the output's magnitude, so that
+    the numerics check sees a dropped bias: nn.Conv2d's init bound 1/sqrt(fan_in) hides under bf16's rounding), both
+    layouts of each."""
     torch.manual_seed(seed)
     conv_nchw = nn.Conv2d(
         shape.c, shape.k, shape.kernel, shape.stride, shape.pad, bias=True, device=device, dtype=mode.dtype
     )
     # Plain tensors on both sides: under no_grad requires_grad changes nothing, but keep the inputs identical.
     conv_nchw.requires_grad_(False)
+    assert conv_nchw.bias is not None  # built with bias=True; narrows the Optional for the type checker
+    conv_nchw.bias.copy_(torch.randn(shape.k, device=device, dtype=mode.dtype))
     conv_cl = copy.deepcopy(conv_nchw).to(memory_format=torch.channels_last)
     x_nchw = torch.randn(shape.n, shape.c, shape.h, shape.w, device=device, dtype=mode.dtype)
-    assert conv_nchw.bias is not None  # built with bias=True; narrows the Optional for the type checker
     return Problem(
         x_cl=x_nchw.contiguous(memory_format=torch.channels_last),
         x_nchw=x_nchw,
@@ -171,15 +174,35 @@ def explain(problem: Problem) -> dict[str, Any] | None:
         return {"error": short_error(error)}
 
 
-def check_cold_output(
-    ours_out: torch.Tensor, reference: Callable[[], torch.Tensor], mode: Mode, errors: dict[str, str]
-) -> dict[str, Any] | None:
-    """ours_cl's cold output against torch_cl; a torch_cl that fails (OOM included) lands in ``errors``."""
-    try:
-        return check_numerics(ours_out, reference(), mode)
-    except Exception as error:  # noqa: BLE001
-        errors["torch_cl"] = short_error(error)
+def references(problem: Problem) -> dict[str, torch.Tensor]:
+    """float64 outputs from the problem's own (rounded) tensors: with the bias, and without it for the conv-only
+    variants."""
+    args = (problem.stride, problem.padding, problem.dilation, 1)
+    x, w, b = problem.x_nchw.double(), problem.w_nchw.double(), problem.bias.double()
+    return {"with_bias": F.conv2d(x, w, b, *args), "conv_only": F.conv2d(x, w, None, *args)}
+
+
+def check_outputs(outputs: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], mode: Mode) -> dict[str, Any]:
+    """Every variant's output against its float64 reference (common.check_against_float64)."""
+    return harness.check_all(
+        {
+            name: check_against_float64(out, expected["conv_only" if name.endswith("conv_only") else "with_bias"], mode)
+            for name, out in outputs.items()
+        }
+    )
+
+
+def check_variants(problem: Problem, mode: Mode, errors: dict[str, str]) -> dict[str, Any] | None:
+    """Each variant run once and checked; a variant that fails to run lands in ``errors`` (out of memory included)."""
+    outputs: dict[str, torch.Tensor] = {}
+    for name, fn in problem.variants().items():
+        try:
+            outputs[name] = fn()
+        except Exception as error:  # noqa: BLE001
+            errors[name] = short_error(error)
+    if not outputs:
         return None
+    return check_outputs(outputs, references(problem), mode)
 
 
 def measure(shape: Shape, mode: Mode, device: str, warmup: int, iters: int, seed: int) -> dict[str, Any]:
@@ -194,8 +217,8 @@ def measure(shape: Shape, mode: Mode, device: str, warmup: int, iters: int, seed
         errors["ours_cl"] = cold.get("error", "failed")
     else:
         out_channels_last = ours_out.is_contiguous(memory_format=torch.channels_last)
-        numerics = check_cold_output(ours_out, variants["torch_cl"], mode, errors)
         del ours_out
+        numerics = harness.run_checks(lambda: check_variants(problem, mode, errors), errors)
     info = explain(problem)
     timings = harness.time_variants(variants, errors, warmup, iters, device, called=["ours_cl"])
     return {

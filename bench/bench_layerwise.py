@@ -43,12 +43,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import torch_convbias
 
 from . import harness
-from .common import Mode, check_numerics, fmt, geomean, short_error
+from .common import Mode, check_against_float64, fmt, geomean, short_error
 
 NAME = "layerwise"
 SCHEMA = "torch_convbias.bench_layerwise/1"
@@ -136,6 +137,8 @@ def make_layers(shape: harness.Shape, mode: Mode, device: str, seed: int) -> tup
     torch.manual_seed(seed)
     args = (shape.c, shape.k, shape.kernel, shape.stride, shape.pad)
     ref = nn.Conv2d(*args, bias=True, device=device, dtype=mode.dtype)
+    with torch.no_grad():
+        ref.bias.normal_()  # the output's magnitude: a dropped bias must fail the numerics check
     ours = torch_convbias.ConvBias2d(*args, bias=True, device=device, dtype=mode.dtype)
     ours.load_state_dict(ref.state_dict())
     x = torch.randn(shape.n, shape.c, shape.h, shape.w, device=device, dtype=mode.dtype)
@@ -167,19 +170,27 @@ def _grad(layer: Layer, name: str) -> torch.Tensor:
 
 
 def check_first_step(ours: Layer, ref: Layer, mode: Mode) -> dict[str, Any]:
-    """Forward output, gradients after backward, parameters after the update: ours against nn.Conv2d.
+    """Forward output and gradients of both layers against float64 ones computed from the same (rounded) tensors
+    (common.check_against_float64), and the parameters after the update: ours against nn.Conv2d's.
 
     Runs one complete step on both layers, so they still share their state (up to rounding) when timing starts.
     """
-    checks = {"output": check_numerics(ours.forward().detach(), ref.forward().detach(), mode)}
-    ours.backward()
-    ref.backward()
-    for name in ("weight", "bias"):
-        checks[f"grad_{name}"] = check_numerics(_grad(ours, name), _grad(ref, name), mode)
+    module = ref.module
+    x64 = ref.x.double()
+    w64 = module.weight.detach().double().requires_grad_()
+    b64 = module.bias.detach().double().requires_grad_()
+    out64 = F.conv2d(x64, w64, b64, module.stride, module.padding, module.dilation, module.groups)
+    grads64 = dict(zip(("weight", "bias"), torch.autograd.grad(out64, [w64, b64], ref.grad_seed.double())))
+    checks: dict[str, Any] = {}
+    for side, layer in (("ours", ours), ("torch", ref)):
+        checks[f"{side}_output"] = check_against_float64(layer.forward().detach(), out64, mode)
+        layer.backward()
+        for name in ("weight", "bias"):
+            checks[f"{side}_grad_{name}"] = check_against_float64(_grad(layer, name), grads64[name], mode)
     ours.update()
     ref.update()
     for name in ("weight", "bias"):
-        checks[f"{name}_after_step"] = check_numerics(_param(ours, name), _param(ref, name), mode)
+        checks[f"{name}_after_step"] = check_against_float64(_param(ours, name), _param(ref, name), mode)
     return harness.check_all(checks)
 
 

@@ -277,7 +277,7 @@ def cold_call(fn: Callable[[], Any], device: str) -> tuple[dict[str, Any], Any]:
 
 
 def check_all(checks: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
-    """Several ``common.check_numerics`` results as one: passed if all passed, the failures named."""
+    """Several ``common.check_against_float64`` results as one: passed if all passed, the failures named."""
     failed = [name for name, check in checks.items() if not check["passed"]]
     message = "; ".join(f"{name}: {checks[name]['message']}" for name in failed)[:1000] or None
     return {"passed": not failed, "message": message, "checks": dict(checks)}
@@ -441,7 +441,10 @@ def summarize_rows(spec: Spec, rows: Sequence[dict[str, Any]], mode: str, benchm
     """
     key = spec.headline
     mine = [r for r in rows if r["mode"] == mode and r["cudnn_benchmark"] == benchmark and r["status"] != "skipped"]
-    measured = [r for r in mine if r[key] is not None]
+    # A row whose numbers are wrong measures nothing worth comparing: out of every geomean, named below.
+    failed_numerics = [r["label"] for r in mine if r["numerics"] and not r["numerics"]["passed"]]
+    right = [r for r in mine if r["label"] not in failed_numerics]
+    measured = [r for r in right if r[key] is not None]
     missing = [r["label"] for r in mine if r[key] is None]
     below = [r["label"] for r in measured if r[key] < 1.0]
     worst = min(measured, key=lambda r: r[key], default=None)
@@ -458,13 +461,15 @@ def summarize_rows(spec: Spec, rows: Sequence[dict[str, Any]], mode: str, benchm
         f"worst_{key}": worst[key] if worst else None,
         "below_1x": len(below),
         "below_1x_shapes": below,
-        "numerics_failures": [r["label"] for r in mine if r["numerics"] and not r["numerics"]["passed"]],
+        "numerics_failures": failed_numerics,
         f"target_geomean_{key}": target,
-        "target_geomean_pass": None if target is None or missing or geo is None else geo >= target,
-        "target_no_shape_below_1x_pass": None if missing or not mine else not below,
+        "target_geomean_pass": (
+            None if target is None or missing or failed_numerics or geo is None else geo >= target
+        ),
+        "target_no_shape_below_1x_pass": None if missing or failed_numerics or not mine else not below,
     }
     if spec.summarize_extra is not None:
-        summary.update(spec.summarize_extra(mine))
+        summary.update(spec.summarize_extra(right))
     return summary
 
 

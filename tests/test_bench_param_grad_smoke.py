@@ -94,7 +94,11 @@ def test_param_grad_quick_cpu_run(param_grad_run: tuple[dict[str, Any], Path]) -
     assert copy["error"] is None and copy["gbps"] > 0 and copy["bytes"] == bench_param_grad.COPY_BYTES["cpu"]
     for row in results["rows"]:
         assert set(bench_param_grad.RATIOS) <= set(row) and set(bench_param_grad.ROW_FIELDS) <= set(row)
-        assert set(row["numerics"]["checks"]) == {"grad_weight", "grad_bias", "bias_only"}
+        # Every variant's gradients against float64.
+        assert set(row["numerics"]["checks"]) == {
+            f"{variant}_{grad}" for variant in ("ours", "torch", "torch_autograd", "ours_autograd")
+            for grad in ("grad_weight", "grad_bias")
+        } | {"ours_bias_only_grad_bias", "torch_bias_only_grad_bias"}
         assert row["grad_weight_channels_last"] is True
         assert row["bias_gbps_ours"] > 0 and row["bias_bw_fraction_ours"] > 0 and row["bias_large"] is False
         assert row["first_call_ms"] > 0
@@ -116,7 +120,9 @@ def test_layerwise_quick_cpu_run(layerwise_run: tuple[dict[str, Any], Path]) -> 
     for row in results["rows"]:
         assert set(bench_layerwise.RATIOS) <= set(row) and set(bench_layerwise.ROW_FIELDS) <= set(row)
         checks = row["numerics"]["checks"]
-        assert set(checks) == {"output", "grad_weight", "grad_bias", "weight_after_step", "bias_after_step"}
+        assert set(checks) == {
+            f"{side}_{what}" for side in ("ours", "torch") for what in ("output", "grad_weight", "grad_bias")
+        } | {"weight_after_step", "bias_after_step"}
         assert row["forward_speedup"] > 0 and row["step_ms_saved"] is not None
         # On the CPU no CUDA graph: eager steps back to back only, and no capture attempted (so no error).
         assert set(row["back_to_back"]) == {"ours_step", "torch_step"} and row["speedup_back_to_back"] > 0

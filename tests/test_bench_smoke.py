@@ -165,3 +165,23 @@ def test_stress_memory_smoke(tmp_path: Path) -> None:
     assert [s["calls"] for s in results["samples"]] == [0, 20, 40]
     assert all(s["max_rss_mib"] > 0 for s in results["samples"])
     assert results["verdict"]["cache_bounded"] is True and results["verdict"]["allocated_bounded"] is None
+
+
+def test_numerics_check_fails_a_forward_that_dropped_the_bias() -> None:
+    """Every variant is checked against float64 with a tolerance a missing bias fails: here ours_cl computed
+    without its bias (all else right) must fail, in every mode, while the real variants pass."""
+    from bench import harness
+
+    small = harness.Shape(n=2, c=16, h=6, w=6, k=16, kernel=3, stride=1, pad=1)
+    for name, mode in common.modes().items():
+        if name == "fp16":
+            continue  # CPU half convolutions are not what the benchmark measures
+        with torch.no_grad(), common.mode_flags(mode):
+            problem = bench_forward.make_problem(small, mode, "cpu", seed=0)
+            outputs = {variant: fn() for variant, fn in problem.variants().items()}
+            expected = bench_forward.references(problem)
+            good = bench_forward.check_outputs(outputs, expected, mode)
+            assert good["passed"], (name, good["message"])
+            dropped = problem.ours(problem.x_cl, problem.w_cl, None)
+            bad = bench_forward.check_outputs({**outputs, "ours_cl": dropped}, expected, mode)
+        assert not bad["passed"] and "ours_cl" in bad["message"], (name, bad)
