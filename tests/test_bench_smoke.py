@@ -123,7 +123,7 @@ def test_helpers() -> None:
     assert common.slug("NVIDIA H200") == "nvidia-h200"
     env = {"gpu": "NVIDIA H200", "timestamp_utc": "2025-01-02T03:04:05Z"}
     path = common.result_path({"environment": env}, "x", "forward")
-    assert path == Path("x/forward-nvidia-h200-20250102T030405Z.json")
+    assert path == Path("x/forward-nvidia-h200.json")  # one current file per benchmark and GPU
     before = torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark
     with common.mode_flags(common.modes()["tf32"], cudnn_benchmark=not before[1]):
         assert torch.backends.cudnn.allow_tf32 is True and torch.backends.cudnn.benchmark is not before[1]
