@@ -12,6 +12,8 @@ are read once per process, so every measurement is a fresh process (a worker: th
 ``warm_from_disk``  a new process on the directory ``cold_writing`` filled: plans loaded (and validated) from disk
 ==================  ================================================================================================
 
+Only timed choices are written to the plan directory, so a problem without ``cudnn.benchmark`` runs its processes
+with ``TORCH_CONVBIAS_AUTOTUNE=quick`` (its first three engine candidates timed) unless its own knobs say otherwise.
 Each worker first initialises CUDA and then runs a warm-up problem of a shape no problem of the suite has (in the
 problem's dtype, layout and flags), so that the process's one-off costs (CUDA context, cuDNN handle, the first
 heuristics query: 110-160 ms, the first cuDNN execution: ~28 ms) are reported apart, as ``cuda_init_ms`` and
@@ -322,6 +324,10 @@ def worker_env(problem: Problem, plan_dir: Path | None) -> dict[str, str]:
     """This process's environment, the problem's knobs, and the plan directory of the scenario (none for cold:
     a directory set by whoever started the benchmark must not turn the cold scenario warm)."""
     env = {k: v for k, v in os.environ.items() if k != PLAN_CACHE_ENV}
+    # Only timed choices are stored on disk (README, "Persistent plan cache"): a problem without cudnn.benchmark
+    # times its first three candidates (TORCH_CONVBIAS_AUTOTUNE=quick) unless it names its own tuning.
+    if not problem.cudnn_benchmark:
+        env.setdefault("TORCH_CONVBIAS_AUTOTUNE", "quick")
     env.update(problem.env)
     if plan_dir is not None:
         env[PLAN_CACHE_ENV] = str(plan_dir)
