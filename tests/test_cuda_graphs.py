@@ -414,6 +414,12 @@ def test_threads_share_the_cache() -> None:
 def test_input_on_another_gpu() -> None:
     x, w, b = (t.to("cuda:1") if t is not None else None for t in make(2, 8, 8, 8, 8))
     torch.testing.assert_close(conv_bias2d(x, w, b, padding=1), F.conv2d(x, w, b, padding=1), rtol=5e-3, atol=5e-3)
+    # The bias-gradient ways by name run on grad_output's GPU too, whichever is current (device guard).
+    dy = torch.randn(2, 8, 8, 8, device="cuda:1").contiguous(memory_format=torch.channels_last)
+    for way in ("kernel", "aten"):
+        got = torch.ops.convbias._bias_grad(dy, way)
+        assert got.device == dy.device
+        torch.testing.assert_close(got, dy.sum((0, 2, 3)), rtol=1e-5, atol=1e-5)
 
 
 SCRIPT = """
