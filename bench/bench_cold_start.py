@@ -65,7 +65,7 @@ from .common import (
     wall_ms,
     write_json,
 )
-from .harness import CPU_BATCH, cache_info
+from .harness import CPU_BATCH, Shape, cache_info
 
 NAME = "cold_start"
 SCHEMA = "torch_convbias.cold_start/1"
@@ -85,18 +85,11 @@ DEFAULT_WORKER_TIMEOUT_S = 600
 
 
 @dataclass(frozen=True)
-class Problem:
-    """One convolution and the conditions of its first call: dtype mode, layout, knobs, cudnn.benchmark."""
+class Problem(Shape):
+    """One convolution (harness.Shape) and the conditions of its first call: dtype mode, layout, knobs,
+    cudnn.benchmark. Made with :func:`problem` (name first)."""
 
-    name: str
-    n: int
-    c: int
-    h: int
-    w: int
-    k: int
-    kernel: int
-    stride: int
-    pad: int
+    name: str = ""
     mode: str = "fp32"  # a common.modes() name: fp32 is TF32 off
     channels_last: bool = True
     env: Mapping[str, str] = field(default_factory=dict)  # TORCH_CONVBIAS_* knobs of this problem's processes
@@ -111,14 +104,17 @@ class Problem:
         layout = "cl" if self.channels_last else "nchw"
         extra = "".join(f" {k.removeprefix('TORCH_CONVBIAS_').lower()}={v}" for k, v in self.env.items())
         bench = " cudnn.benchmark" if self.cudnn_benchmark else ""
-        return (
-            f"{self.mode} {layout} N{self.n} C{self.c} {self.h}x{self.w} K{self.k} "
-            f"k{self.kernel}s{self.stride}p{self.pad}{extra}{bench}"
-        )
+        return f"{self.mode} {layout} {super().label}{extra}{bench}"
 
     def on(self, device: str) -> Problem:
         """The problem as run on ``device``: on the CPU the batch is capped (only the pipeline is exercised there)."""
         return self if device == "cuda" else dataclasses.replace(self, n=min(self.n, CPU_BATCH))
+
+
+def problem(name: str, n: int, c: int, h: int, w: int, k: int, kernel: int, stride: int, pad: int, mode: str,
+            **conditions: Any) -> Problem:
+    """A named problem: the geometry in harness.Shape's order, then the mode and other conditions."""
+    return Problem(n, c, h, w, k, kernel, stride, pad, name=name, mode=mode, **conditions)
 
 
 BIAS_GRAD_CUDNN = {"TORCH_CONVBIAS_BIAS_GRAD": "cudnn"}
@@ -126,28 +122,28 @@ BIAS_GRAD_CUDNN = {"TORCH_CONVBIAS_BIAS_GRAD": "cudnn"}
 # Every problem a distinct geometry (and distinct from the warm-up's): whatever the plan keys hold besides the
 # shape, no problem's plans can serve another's first call.
 SUITE: tuple[Problem, ...] = (
-    Problem("cl_fp32_3x3", 64, 128, 28, 28, 128, 3, 1, 1, "fp32"),
-    Problem("cl_bf16_3x3", 128, 64, 56, 56, 64, 3, 1, 1, "bf16"),
-    Problem("cl_fp32_1x1", 32, 64, 56, 56, 256, 1, 1, 0, "fp32"),
-    Problem("cl_bf16_1x1", 256, 256, 14, 14, 64, 1, 1, 0, "bf16"),
-    Problem("cl_bf16_3x3_s2", 128, 128, 28, 28, 256, 3, 2, 1, "bf16"),
-    Problem("nchw_fp32_3x3", 32, 64, 32, 32, 128, 3, 1, 1, "fp32", channels_last=False),
+    problem("cl_fp32_3x3", 64, 128, 28, 28, 128, 3, 1, 1, "fp32"),
+    problem("cl_bf16_3x3", 128, 64, 56, 56, 64, 3, 1, 1, "bf16"),
+    problem("cl_fp32_1x1", 32, 64, 56, 56, 256, 1, 1, 0, "fp32"),
+    problem("cl_bf16_1x1", 256, 256, 14, 14, 64, 1, 1, 0, "bf16"),
+    problem("cl_bf16_3x3_s2", 128, 128, 28, 28, 256, 3, 2, 1, "bf16"),
+    problem("nchw_fp32_3x3", 32, 64, 32, 32, 128, 3, 1, 1, "fp32", channels_last=False),
     # The bias gradient on a cuDNN reduction graph: runtime-compiled, 0.15-0.7 s per shape, where a disk cache pays.
-    Problem("bias_grad_cudnn", 64, 128, 32, 32, 128, 3, 1, 1, "bf16", env=BIAS_GRAD_CUDNN),
+    problem("bias_grad_cudnn", 64, 128, 32, 32, 128, 3, 1, 1, "bf16", env=BIAS_GRAD_CUDNN),
     # The exhaustive engine search: every engine that builds is timed on the first call.
-    Problem("cudnn_benchmark", 64, 256, 14, 14, 256, 3, 1, 1, "bf16", cudnn_benchmark=True),
+    problem("cudnn_benchmark", 64, 256, 14, 14, 256, 3, 1, 1, "bf16", cudnn_benchmark=True),
 )
 
 # The same names on tiny shapes, for the smoke test (the CPU runs ATen's reference kernels).
 QUICK_SUITE: tuple[Problem, ...] = (
-    Problem("cl_fp32_3x3", 2, 8, 8, 8, 8, 3, 1, 1, "fp32"),
-    Problem("cl_bf16_3x3", 2, 8, 12, 12, 8, 3, 1, 1, "bf16"),
-    Problem("cl_fp32_1x1", 2, 8, 8, 8, 16, 1, 1, 0, "fp32"),
-    Problem("cl_bf16_1x1", 2, 16, 6, 6, 8, 1, 1, 0, "bf16"),
-    Problem("cl_bf16_3x3_s2", 2, 16, 8, 8, 16, 3, 2, 1, "bf16"),
-    Problem("nchw_fp32_3x3", 2, 8, 10, 10, 8, 3, 1, 1, "fp32", channels_last=False),
-    Problem("bias_grad_cudnn", 2, 16, 8, 8, 16, 3, 1, 1, "bf16", env=BIAS_GRAD_CUDNN),
-    Problem("cudnn_benchmark", 2, 16, 10, 10, 16, 3, 1, 1, "bf16", cudnn_benchmark=True),
+    problem("cl_fp32_3x3", 2, 8, 8, 8, 8, 3, 1, 1, "fp32"),
+    problem("cl_bf16_3x3", 2, 8, 12, 12, 8, 3, 1, 1, "bf16"),
+    problem("cl_fp32_1x1", 2, 8, 8, 8, 16, 1, 1, 0, "fp32"),
+    problem("cl_bf16_1x1", 2, 16, 6, 6, 8, 1, 1, 0, "bf16"),
+    problem("cl_bf16_3x3_s2", 2, 16, 8, 8, 16, 3, 2, 1, "bf16"),
+    problem("nchw_fp32_3x3", 2, 8, 10, 10, 8, 3, 1, 1, "fp32", channels_last=False),
+    problem("bias_grad_cudnn", 2, 16, 8, 8, 16, 3, 1, 1, "bf16", env=BIAS_GRAD_CUDNN),
+    problem("cudnn_benchmark", 2, 16, 10, 10, 16, 3, 1, 1, "bf16", cudnn_benchmark=True),
 )
 
 # The warm-up's geometry (run in each problem's dtype, layout, knobs and flags): tiny, and unlike every problem's.
