@@ -375,6 +375,7 @@ EngineChoice select_engine(
 
   if (timed && policy.verify_by_running) {
     float best = std::numeric_limits<float>::infinity();
+    std::vector<int64_t> ran; // the candidates that executed: the only ones the fallback may be chosen from
     for (const int64_t index : built) {
       if (seconds_since(start) > kTimingBudgetSeconds && !std::isinf(best)) {
         // Always recorded (note_rejection keeps only the first few reasons).
@@ -390,6 +391,7 @@ EngineChoice select_engine(
           Trial::Ran) {
         continue;
       }
+      ran.push_back(index);
       std::string name;
       (void)graph.get_plan_name_at_index(index, name);
       choice.timings.emplace_back(name, ms);
@@ -399,6 +401,7 @@ EngineChoice select_engine(
         choice.measured_ms = ms;
       }
     }
+    built = std::move(ran);
   } else if (!built.empty()) {
     choice.plan_index = built.front();
   }
