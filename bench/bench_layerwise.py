@@ -182,11 +182,13 @@ def check_first_step(ours: Layer, ref: Layer, mode: Mode) -> dict[str, Any]:
     out64 = F.conv2d(x64, w64, b64, module.stride, module.padding, module.dilation, module.groups)
     grads64 = dict(zip(("weight", "bias"), torch.autograd.grad(out64, [w64, b64], ref.grad_seed.double())))
     checks: dict[str, Any] = {}
+    # The parameter gradients sum over N * H_out * W_out positions.
+    terms = out64.shape[0] * out64.shape[2] * out64.shape[3]
     for side, layer in (("ours", ours), ("torch", ref)):
         checks[f"{side}_output"] = check_against_float64(layer.forward().detach(), out64, mode)
         layer.backward()
         for name in ("weight", "bias"):
-            checks[f"{side}_grad_{name}"] = check_against_float64(_grad(layer, name), grads64[name], mode)
+            checks[f"{side}_grad_{name}"] = check_against_float64(_grad(layer, name), grads64[name], mode, terms)
     ours.update()
     ref.update()
     for name in ("weight", "bias"):

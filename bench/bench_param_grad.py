@@ -283,6 +283,7 @@ def check(problem: Problem, ours: tuple[torch.Tensor, torch.Tensor], mode: Mode)
     args = (problem.stride, problem.padding, problem.dilation, False, [0, 0], 1, [False, True, True])
     go, x, w = problem.grad_output.double(), problem.x.double(), problem.w.double()
     _, ref_weight, ref_bias = torch.ops.aten.convolution_backward(go, x, w, [w.shape[0]], *args)
+    terms = go.shape[0] * go.shape[2] * go.shape[3]  # the gradients sum over N * H_out * W_out positions
     outputs = {}
     for name, fn in problem.variants().items():
         if name == "ours":
@@ -291,16 +292,16 @@ def check(problem: Problem, ours: tuple[torch.Tensor, torch.Tensor], mode: Mode)
             outputs[name] = fn()
         except Exception:  # noqa: BLE001 - a variant that fails to run is reported by the timing probe, not here
             continue
-    checks = {"ours_grad_weight": check_against_float64(ours[0], ref_weight, mode),
-              "ours_grad_bias": check_against_float64(ours[1], ref_bias, mode)}  # fmt: skip
+    checks = {"ours_grad_weight": check_against_float64(ours[0], ref_weight, mode, terms),
+              "ours_grad_bias": check_against_float64(ours[1], ref_bias, mode, terms)}  # fmt: skip
     for name, result in outputs.items():
         if name.endswith("bias_only"):
             grad_bias = result[1] if isinstance(result, tuple) else result
-            checks[f"{name}_grad_bias"] = check_against_float64(grad_bias, ref_bias, mode)
+            checks[f"{name}_grad_bias"] = check_against_float64(grad_bias, ref_bias, mode, terms)
         else:
             grad_weight, grad_bias = result[-2], result[-1]
-            checks[f"{name}_grad_weight"] = check_against_float64(grad_weight, ref_weight, mode)
-            checks[f"{name}_grad_bias"] = check_against_float64(grad_bias, ref_bias, mode)
+            checks[f"{name}_grad_weight"] = check_against_float64(grad_weight, ref_weight, mode, terms)
+            checks[f"{name}_grad_bias"] = check_against_float64(grad_bias, ref_bias, mode, terms)
     return harness.check_all(checks)
 
 

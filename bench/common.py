@@ -192,19 +192,28 @@ def check_numerics(actual: torch.Tensor, expected: torch.Tensor, mode: Mode) -> 
     return {**result, "passed": True, "message": None}
 
 
-def check_against_float64(actual: torch.Tensor, reference: torch.Tensor, mode: Mode) -> dict[str, Any]:
+def rel_rms_tolerance(mode: Mode, terms: int = 1) -> float:
+    """The bound on the relative RMS error of a result that sums `terms` products: the mode's, or FP32 accumulation's
+    random-walk error (4 * 2^-24 * sqrt(terms)) where that is larger. Only strict fp32 weight and bias gradients of
+    long reductions reach it: measured on the H200, both nn.Conv2d's and ours at 1.3e-5 - 5e-5 for 65k-1M terms."""
+    return max(mode.rel_rms, 4 * 2.0**-24 * terms**0.5)
+
+
+def check_against_float64(actual: torch.Tensor, reference: torch.Tensor, mode: Mode, terms: int = 1) -> dict[str, Any]:
     """``actual`` against a float64 ``reference`` (computed from the same rounded inputs): relative RMS error within
-    ``mode.rel_rms``. Unlike an atol scaled by max|reference|, this fails a forward that dropped a bias of the
-    output's magnitude (tests/test_bench_smoke.py checks that it does). Records the outcome, never raises."""
-    result: dict[str, Any] = {"rel_rms_tolerance": mode.rel_rms, "reference": "float64"}
+    ``rel_rms_tolerance(mode, terms)``. Unlike an atol scaled by max|reference|, this fails a forward that dropped a
+    bias of the output's magnitude (tests/test_bench_smoke.py checks that it does). Records the outcome, never
+    raises."""
+    tolerance = rel_rms_tolerance(mode, terms)
+    result: dict[str, Any] = {"rel_rms_tolerance": tolerance, "reference": "float64", "terms": terms}
     if actual.shape != reference.shape:
         return {**result, "passed": False, "message": f"shape {list(actual.shape)} != {list(reference.shape)}"}
     difference = actual.detach().double() - reference.detach().double().to(actual.device)
     norm = reference.detach().double().norm().item()
     rel_rms = difference.norm().item() / norm if norm > 0 else difference.norm().item()
     result["rel_rms_error"] = rel_rms
-    if not rel_rms <= mode.rel_rms:  # NaN fails too
-        return {**result, "passed": False, "message": f"relative RMS error {rel_rms:.3g} > {mode.rel_rms:.3g}"}
+    if not rel_rms <= tolerance:  # NaN fails too
+        return {**result, "passed": False, "message": f"relative RMS error {rel_rms:.3g} > {tolerance:.3g}"}
     return {**result, "passed": True, "message": None}
 
 
