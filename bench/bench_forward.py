@@ -84,8 +84,7 @@ TABLE_COLUMNS: list[tuple[str, str, str]] = [
     ("fused/conv", "fused_over_conv_only", ".2f"),
     ("vs_t_conv", "vs_torch_conv_only", ".2f"),
     ("1st_ms", "first_call_ms", ".1f"),
-    ("num", "numerics", ""),
-    ("status", "status", ""),
+    *harness.VERDICT_COLUMNS,
     ("path", "path", ""),
     ("engine", "engine", ""),
 ]

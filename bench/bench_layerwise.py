@@ -99,8 +99,7 @@ TABLE: list[tuple[str, str, str]] = [
     ("saved_ms", "step_ms_saved", ".3f"),
     ("b2b_spd", "speedup_back_to_back", ".2f"),
     ("graphed_spd", "graphed_speedup", ".2f"),
-    ("num", "numerics", ""),
-    ("status", "status", ""),
+    *harness.VERDICT_COLUMNS,
 ]
 
 

@@ -131,8 +131,7 @@ TABLE: list[tuple[str, str, str]] = [
     ("bias/copy", "bias_bw_fraction_ours", ".2f"),
     ("t_bias/copy", "bias_bw_fraction_torch", ".2f"),
     ("1st_ms", "first_call_ms", ".1f"),
-    ("num", "numerics", ""),
-    ("status", "status", ""),
+    *harness.VERDICT_COLUMNS,
     ("wgrad", "wgrad", ""),
     ("bias_way", "bias_way", ""),
 ]

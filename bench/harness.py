@@ -50,6 +50,10 @@ from .common import (
 # The suite
 
 
+# The last columns of every benchmark's table: the row's numerics verdict (float64 checks) and its status.
+VERDICT_COLUMNS: tuple[tuple[str, str, str], ...] = (("num", "numerics", ""), ("status", "status", ""))
+
+
 @dataclass(frozen=True)
 class Shape:
     """A convolution: input N x C x H x W, K output channels, square kernel, stride and padding."""
