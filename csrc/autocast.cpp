@@ -16,12 +16,15 @@ at::Tensor forward_autocast(
     c10::SymIntArrayRef stride,
     c10::SymIntArrayRef padding,
     c10::SymIntArrayRef dilation,
-    c10::SymInt groups) {
+    c10::SymInt groups,
+    c10::string_view activation,
+    double negative_slope) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
   const at::ScalarType to = at::autocast::get_lower_precision_fp_from_device_type(device_type);
   return forward_symint(
       at::autocast::cached_cast(to, input, device_type), at::autocast::cached_cast(to, weight, device_type),
-      at::autocast::cached_cast(to, bias, device_type), stride, padding, dilation, std::move(groups));
+      at::autocast::cached_cast(to, bias, device_type), stride, padding, dilation, std::move(groups), activation,
+      negative_slope);
 }
 
 } // namespace

@@ -8,6 +8,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "activation.h"
 #include "convbias.h"
 #include "reference.h"
 
@@ -51,24 +52,43 @@ class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
       c10::SymIntArrayRef stride,
       c10::SymIntArrayRef padding,
       c10::SymIntArrayRef dilation,
-      const c10::SymInt& groups) {
-    // The input is needed for the weight gradient only: a frozen weight's layer keeps no activation alive. Without
-    // it, param_grad (bias gradient alone) gets a stand-in of the input's shape that owns one element.
-    ctx->save_for_backward({weight.requires_grad() ? input : input_stand_in(input), weight});
+      const c10::SymInt& groups,
+      c10::string_view activation,
+      double negative_slope) {
+    const ActivationSpec spec = parse_activation("convbias.forward", activation, negative_slope);
     ctx->saved_data["stride"] = stride;
     ctx->saved_data["padding"] = padding;
     ctx->saved_data["dilation"] = dilation;
     ctx->saved_data["groups"] = groups;
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+    ctx->saved_data["activation"] = std::string(activation);
+    ctx->saved_data["negative_slope"] = negative_slope;
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return forward_symint(input, weight, bias, stride, padding, dilation, groups);
+    at::Tensor output;
+    at::Tensor for_derivative; // what the activation's derivative is computed from (activation.h)
+    if (spec.is_identity() || spec.backward_from_output()) {
+      output = forward_symint(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
+      for_derivative = spec.is_identity() ? at::Tensor() : output;
+    } else {
+      // The derivative needs the pre-activation: conv + bias, kept, and the activation of it out of place.
+      for_derivative = forward_symint(input, weight, bias, stride, padding, dilation, groups);
+      output = activation_of(for_derivative, spec);
+    }
+    // The input is needed for the weight gradient only: a frozen weight's layer keeps no activation alive. Without
+    // it, param_grad (bias gradient alone) gets a stand-in of the input's shape that owns one element.
+    ctx->save_for_backward({weight.requires_grad() ? input : input_stand_in(input), weight, for_derivative});
+    return output;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& input = saved[0];
     const at::Tensor& weight = saved[1];
-    const at::Tensor& grad_output = grad_outputs[0];
+    const ActivationSpec spec = parse_activation(
+        "convbias.forward", ctx->saved_data["activation"].toStringRef(), ctx->saved_data["negative_slope"].toDouble());
+    // The gradient at the convolution's output (the activation's derivative applied): what the parameter and input
+    // gradients are taken of.
+    const at::Tensor grad_output = activation_backward(grad_outputs[0], saved[2], spec);
     const auto stride = ctx->saved_data["stride"].toSymIntVector();
     const auto padding = ctx->saved_data["padding"].toSymIntVector();
     const auto dilation = ctx->saved_data["dilation"].toSymIntVector();
@@ -91,8 +111,9 @@ class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
       grad_weight = w.value_or(at::Tensor());
       grad_bias = b.value_or(at::Tensor());
     }
-    // One entry per forward argument; the conv parameters get none.
-    return {grad_input, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    // One entry per forward argument; the conv parameters and the activation get none.
+    return {grad_input, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -165,15 +186,17 @@ at::Tensor forward_autograd(
     c10::SymIntArrayRef stride,
     c10::SymIntArrayRef padding,
     c10::SymIntArrayRef dilation,
-    c10::SymInt groups) {
+    c10::SymInt groups,
+    c10::string_view activation,
+    double negative_slope) {
   // Nothing to differentiate (inference, frozen layers, torch.no_grad): no autograd node, nothing saved.
   const bool records = c10::GradMode::is_enabled() &&
       (input.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->defined() && bias->requires_grad()));
   if (!records) {
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return forward_symint(input, weight, bias, stride, padding, dilation, std::move(groups));
+    return forward_symint(input, weight, bias, stride, padding, dilation, std::move(groups), activation, negative_slope);
   }
-  return ForwardFunction::apply(input, weight, bias, stride, padding, dilation, groups);
+  return ForwardFunction::apply(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
 }
 
 } // namespace

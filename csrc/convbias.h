@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/string_view.h>
 
 #include <array>
 #include <optional>
@@ -13,7 +14,9 @@
 
 namespace convbias {
 
-// F.conv2d(input, weight, bias, stride, padding, dilation, groups), bias fused into the convolution.
+// act(F.conv2d(input, weight, bias, stride, padding, dilation, groups)), bias and activation fused into the
+// convolution. activation: "identity" (none), "relu", "leaky_relu" (with negative_slope), "gelu", "gelu_tanh"
+// (tanh approximation), "silu", "sigmoid", "tanh".
 inline at::Tensor forward_symint(
     const at::Tensor& input,
     const at::Tensor& weight,
@@ -21,13 +24,16 @@ inline at::Tensor forward_symint(
     c10::SymIntArrayRef stride,
     c10::SymIntArrayRef padding,
     c10::SymIntArrayRef dilation,
-    c10::SymInt groups) {
+    c10::SymInt groups,
+    c10::string_view activation = "identity",
+    double negative_slope = 0.01) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("convbias::forward", "")
                              .typed<at::Tensor(
                                  const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                 c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymInt)>();
-  return op.call(input, weight, bias, stride, padding, dilation, std::move(groups));
+                                 c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymInt,
+                                 c10::string_view, double)>();
+  return op.call(input, weight, bias, stride, padding, dilation, std::move(groups), activation, negative_slope);
 }
 
 inline at::Tensor forward(
@@ -37,10 +43,12 @@ inline at::Tensor forward(
     at::IntArrayRef stride,
     at::IntArrayRef padding,
     at::IntArrayRef dilation,
-    int64_t groups) {
+    int64_t groups,
+    c10::string_view activation = "identity",
+    double negative_slope = 0.01) {
   return forward_symint(
       input, weight, bias, c10::fromIntArrayRefSlow(stride), c10::fromIntArrayRefSlow(padding),
-      c10::fromIntArrayRefSlow(dilation), c10::SymInt(groups));
+      c10::fromIntArrayRefSlow(dilation), c10::SymInt(groups), activation, negative_slope);
 }
 
 // (grad_weight, grad_bias) of forward for the given grad_output; output_mask says which to compute.

@@ -5,10 +5,11 @@
 #include "diagnostics.h"
 
 TORCH_LIBRARY(convbias, m) {
-  // F.conv2d(input, weight, bias, stride, padding, dilation, groups), bias fused into the convolution.
+  // act(F.conv2d(input, weight, bias, stride, padding, dilation, groups)), bias (and activation) fused into the
+  // convolution. activation: identity, relu, leaky_relu (negative_slope), gelu, gelu_tanh, silu, sigmoid, tanh.
   m.def(
       "forward(Tensor input, Tensor weight, Tensor? bias, SymInt[2] stride, SymInt[2] padding, "
-      "SymInt[2] dilation, SymInt groups) -> Tensor");
+      "SymInt[2] dilation, SymInt groups, str activation=\"identity\", float negative_slope=0.01) -> Tensor");
   // Gradients of forward's parameters: output_mask = (weight, bias) says which to compute; the others are None.
   // grad_weight has weight's shape and memory format; grad_bias has shape [out_channels].
   m.def(
@@ -19,7 +20,7 @@ TORCH_LIBRARY(convbias, m) {
   // why alternatives were rejected. Builds (and caches) the plan if needed, exactly as forward would.
   m.def(
       "_explain(Tensor input, Tensor weight, Tensor? bias, int[2] stride, int[2] padding, int[2] dilation, "
-      "int groups) -> str");
+      "int groups, str activation=\"identity\", float negative_slope=0.01) -> str");
   // The way param_grad computes the weight and bias gradients for these arguments, as JSON (graph or ATen and why,
   // engine, timings; the bias gradient's way and launch configuration). Builds and caches plans as param_grad would.
   m.def(

@@ -8,6 +8,8 @@
 #include <optional>
 #include <tuple>
 
+#include "activation.h"
+
 namespace convbias {
 
 // `t` as ATen's CPU convolutions can take it: float32 for a bfloat16/half CPU tensor (rounded back by the caller),
@@ -16,6 +18,8 @@ namespace convbias {
 // in float32 anyway. Used by the reference kernels and by the input gradient (autograd.cpp).
 at::Tensor cpu_computable(const at::Tensor& t);
 
+// act(conv(input, weight) + bias) by ATen, the activation applied before a 16-bit CPU result is rounded (one
+// rounding, as a fused epilogue). Arguments must have passed check_forward_args.
 at::Tensor forward_reference(
     const at::Tensor& input,
     const at::Tensor& weight,
@@ -23,7 +27,8 @@ at::Tensor forward_reference(
     at::IntArrayRef stride,
     at::IntArrayRef padding,
     at::IntArrayRef dilation,
-    int64_t groups);
+    int64_t groups,
+    const ActivationSpec& activation = {});
 
 std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_reference(
     const at::Tensor& grad_output,

@@ -7,6 +7,7 @@ symbolic (``torch.SymInt``) here: the checks then become guards, as in PyTorch's
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -103,6 +104,18 @@ def check_forward_args(
                 f"{op}: expected `bias` of shape [{weight.shape[0]}] (out_channels = weight.size(0)), "
                 f"got shape {list(bias.shape)}"
             )
+
+
+# csrc/activation.cpp's names, in its order (the messages list them so).
+ACTIVATIONS = ("identity", "relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh")
+
+
+def check_activation(activation: str, negative_slope: float, op: str = "convbias.forward") -> None:
+    """Raise ValueError for an unknown activation (listing the supported ones) or a slope that is not finite."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: expected `activation` to be one of {', '.join(ACTIVATIONS)}, got '{activation}'")
+    if not math.isfinite(negative_slope):
+        raise ValueError(f"{op}: expected `negative_slope` to be a finite number, got {negative_slope}")
 
 
 def check_param_grad_args(

@@ -37,6 +37,8 @@ def explain(
     padding: str | int | Sequence[int] = 0,
     dilation: int | Sequence[int] = 1,
     groups: int = 1,
+    activation: str = "identity",
+    negative_slope: float = 0.01,
 ) -> dict[str, Any]:
     """The path ``conv_bias2d`` with these arguments takes, under the current torch flags.
 
@@ -46,14 +48,17 @@ def explain(
     timings of the candidates, rejections), ``layout`` (``channels_last``, ``copied to channels_last``, or for
     NCHW input and weight ``nchw graph`` / ``nchw via channels_last copies`` / ``nchw (aten)``), ``layout_timings``
     (``[way, ms]`` of each way of running NCHW tensors that was measured), ``converted_input``, ``output``,
-    ``alignment``, ``math`` (the flags that select engines), ``cached`` and ``plan_build_seconds``. Builds and caches the plan if needed, exactly as the
+    ``alignment``, ``math`` (the flags that select engines), ``activation`` (``name``, ``fused``, ``how``), ``cached`` and
+    ``plan_build_seconds``. Builds and caches the plan if needed, exactly as the
     call would; on CUDA that may run the convolution a few times to time candidates.
     """
     stride, dilation = _pair("stride", stride), _pair("dilation", dilation)
     if isinstance(padding, str):
         input, padding = _resolve_string_padding(input, weight, padding, stride, dilation)
     return json.loads(
-        torch.ops.convbias._explain(input, weight, bias, stride, _pair("padding", padding), dilation, groups)
+        torch.ops.convbias._explain(
+            input, weight, bias, stride, _pair("padding", padding), dilation, groups, activation, float(negative_slope)
+        )
     )
 
 

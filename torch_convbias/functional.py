@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import _C, ops
+from . import _C, _validation, ops
 
 
 def _forward(
@@ -18,16 +18,25 @@ def _forward(
     padding: Sequence[int],
     dilation: Sequence[int],
     groups: int,
+    activation: str = "identity",
+    negative_slope: float = 0.01,
 ) -> torch.Tensor:
     """``torch.ops.convbias.forward`` with normalised arguments. Eagerly, with plain tensors and ints, through
     ``_C._forward_eager``, which skips torch.ops' generic argument matching (~5 us per call, most of a small
     layer's host time); under torch.compile / export tracing, __torch_function__ modes, or for tensor subclasses
     and SymInts (the entry returns NotImplemented), through torch.ops, so that tracers and overrides see the op."""
     if not torch.compiler.is_compiling() and not torch._C._is_torch_function_mode_enabled():
-        output = _C._forward_eager(input, weight, bias, stride, padding, dilation, groups)
+        if activation == "identity":
+            output = _C._forward_eager(input, weight, bias, stride, padding, dilation, groups)
+        else:
+            output = _C._forward_eager(
+                input, weight, bias, stride, padding, dilation, groups, activation, float(negative_slope)
+            )
         if output is not NotImplemented:
             return output
-    return ops.forward(input, weight, bias, stride, padding, dilation, groups)
+    if activation == "identity":
+        return ops.forward(input, weight, bias, stride, padding, dilation, groups)
+    return ops.forward(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope)
 
 
 def _pair(name: str, value: int | Sequence[int]) -> list[int]:
@@ -72,12 +81,23 @@ def conv_bias2d(
     padding: str | int | Sequence[int] = 0,
     dilation: int | Sequence[int] = 1,
     groups: int = 1,
+    activation: str = "identity",
+    negative_slope: float = 0.01,
 ) -> torch.Tensor:
-    """Same signature and result as ``torch.nn.functional.conv2d``, computed by ``torch.ops.convbias.forward``.
+    """``torch.nn.functional.conv2d``'s signature and result, computed by ``torch.ops.convbias.forward``, with an
+    optional activation applied in the same call.
 
     ``input`` is (N, C, H, W) or unbatched (C, H, W); ``padding`` is an int, a (height, width) pair, ``'valid'``
-    or ``'same'``. Differentiable: weight and bias gradients come from ``convbias::param_grad``.
+    or ``'same'``. ``activation``: ``'identity'`` (none), ``'relu'``, ``'leaky_relu'`` (``negative_slope``, as
+    ``F.leaky_relu``), ``'gelu'``, ``'gelu_tanh'`` (``F.gelu(approximate='tanh')``), ``'silu'``, ``'sigmoid'``,
+    ``'tanh'``. Differentiable: weight and bias gradients come from ``convbias::param_grad`` applied to the
+    activation's gradient.
     """
+    if not isinstance(activation, str) or isinstance(negative_slope, bool) or not isinstance(negative_slope, (int, float)):
+        raise ValueError(
+            f"conv_bias2d: expected `activation` to be one of {', '.join(_validation.ACTIVATIONS)} and "
+            f"`negative_slope` a number, got {activation!r} and {negative_slope!r}"
+        )
     stride = _pair("stride", stride)
     dilation = _pair("dilation", dilation)
     unbatched = input.dim() == 3
@@ -87,5 +107,5 @@ def conv_bias2d(
         input, padding = _resolve_string_padding(input, weight, padding, stride, dilation)
     else:
         padding = _pair("padding", padding)
-    output = _forward(input, weight, bias, stride, padding, dilation, groups)
+    output = _forward(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope)
     return output.squeeze(0) if unbatched else output

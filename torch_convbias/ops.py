@@ -34,8 +34,11 @@ def _forward_fake(
     padding: Sequence[int],
     dilation: Sequence[int],
     groups: int,
+    activation: str = "identity",
+    negative_slope: float = 0.01,
 ) -> torch.Tensor:
     _validation.check_forward_args(input, weight, bias, stride, padding, dilation, groups)
+    _validation.check_activation(activation, negative_slope)
     return torch.empty(
         _validation.output_size(input, weight, stride, padding, dilation),
         dtype=input.dtype,

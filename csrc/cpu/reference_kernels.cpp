@@ -32,17 +32,38 @@ at::Tensor forward_reference(
     at::IntArrayRef stride,
     at::IntArrayRef padding,
     at::IntArrayRef dilation,
-    int64_t groups) {
-  check_forward_args(input, weight, bias, stride, padding, dilation, groups);
+    int64_t groups,
+    const ActivationSpec& activation) {
   const std::optional<at::Tensor> bias_computable =
       bias ? std::optional<at::Tensor>(cpu_computable(*bias)) : std::nullopt;
   at::Tensor out = at::convolution(
       cpu_computable(input), cpu_computable(weight), bias_computable, stride, padding,
       effective_dilation(weight, dilation), false, {0, 0}, groups);
+  apply_activation_(out, activation);
   out = out.to(input.scalar_type());
   // ATen's backends agree on this format in the common cases; pin it so that the fake kernel can promise it.
   return with_layout(out, output_memory_format(input, weight));
 }
+
+namespace {
+
+// convbias::forward on the CPU: every call runs the ATen reference.
+at::Tensor forward_cpu(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    c10::string_view activation,
+    double negative_slope) {
+  check_forward_args(input, weight, bias, stride, padding, dilation, groups);
+  const ActivationSpec spec = parse_activation("convbias.forward", activation, negative_slope);
+  return forward_reference(input, weight, bias, stride, padding, dilation, groups, spec);
+}
+
+} // namespace
 
 std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_reference(
     const at::Tensor& grad_output,
@@ -87,9 +108,16 @@ std::string explain_cpu(
     at::IntArrayRef stride,
     at::IntArrayRef padding,
     at::IntArrayRef dilation,
-    int64_t groups) {
+    int64_t groups,
+    c10::string_view activation,
+    double negative_slope) {
   check_forward_args(input, weight, bias, stride, padding, dilation, groups);
-  return Json{{"path", "aten"}, {"notes", Json::array({"CPU tensors run ATen's convolution (the reference path)"})}}.dump();
+  const ActivationSpec spec = parse_activation("convbias.forward", activation, negative_slope);
+  return Json{
+      {"path", "aten"},
+      {"activation", {{"name", activation_name(spec.kind)}, {"fused", false}, {"how", "ATen, before the result is rounded"}}},
+      {"notes", Json::array({"CPU tensors run ATen's convolution (the reference path)"})}}
+      .dump();
 }
 
 std::string explain_param_grad_cpu(
@@ -109,7 +137,7 @@ std::string explain_param_grad_cpu(
 }
 
 TORCH_LIBRARY_IMPL(convbias, CPU, m) {
-  m.impl("forward", &forward_reference);
+  m.impl("forward", &forward_cpu);
   m.impl("param_grad", &param_grad_reference);
   m.impl("_explain", &explain_cpu);
   m.impl("_explain_param_grad", &explain_param_grad_cpu);

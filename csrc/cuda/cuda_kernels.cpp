@@ -7,6 +7,7 @@
 
 #include <climits>
 
+#include "activation.h"
 #include "conv_args.h"
 #include "cuda/bias_grad.h"
 #include "cuda/forward_setup.h"
@@ -23,16 +24,21 @@ at::Tensor forward_cuda(
     at::IntArrayRef stride,
     at::IntArrayRef padding,
     at::IntArrayRef dilation,
-    int64_t groups) {
+    int64_t groups,
+    c10::string_view activation,
+    double negative_slope) {
   const ConvParams params = check_forward_args(input, weight, bias, stride, padding, dilation, groups);
+  const ActivationSpec spec = parse_activation("convbias.forward", activation, negative_slope);
   const c10::cuda::CUDAGuard device_guard(input.device());
   const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params);
   if (route.aten_reason || route.plan->path == cuda::FpropPath::Aten) {
-    return forward_reference(input, weight, bias, stride, padding, dilation, groups);
+    return forward_reference(input, weight, bias, stride, padding, dilation, groups, spec);
   }
   const cuda::PreparedForward& prepared = *route.prepared;
   // In the layout F.conv2d returns: the problem's own (channels_last, or NCHW even via channels_last copies).
-  return cuda::run_fprop(*route.plan, prepared.problem, prepared.x, prepared.w, prepared.b);
+  at::Tensor y = cuda::run_fprop(*route.plan, prepared.problem, prepared.x, prepared.w, prepared.b);
+  // The activation as a pass of its own over the graph's output (not yet in the graph's epilogue: explain says so).
+  return apply_activation_(y, spec);
 }
 
 std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_cuda(

@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "activation.h"
 #include "conv_args.h"
 #include "cuda/forward_setup.h"
 #include "cuda/bias_grad.h"
@@ -120,10 +121,17 @@ std::string explain_cuda(
     at::IntArrayRef stride,
     at::IntArrayRef padding,
     at::IntArrayRef dilation,
-    int64_t groups) {
+    int64_t groups,
+    c10::string_view activation,
+    double negative_slope) {
   const ConvParams params = check_forward_args(input, weight, bias, stride, padding, dilation, groups);
+  const ActivationSpec spec = parse_activation("convbias.forward", activation, negative_slope);
   const c10::cuda::CUDAGuard device_guard(input.device());
   Json out{{"math", math_json()}};
+  out["activation"] = {
+      {"name", activation_name(spec.kind)},
+      {"fused", false},
+      {"how", spec.is_identity() ? "none" : "ATen's pointwise kernel over the output (the graph's epilogue: not yet)"}};
   const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params);
   if (route.aten_reason) {
     out["path"] = "aten";

@@ -2,7 +2,7 @@
 // libtorch_convbias.so (loaded first by torch_convbias/__init__.py) and reached through the dispatcher
 // (csrc/convbias.h), so this module does not link that library; everything else goes through torch.ops.
 //
-// _forward_eager(input, weight, bias, stride, padding, dilation, groups): convbias::forward through the C++
+// _forward_eager(input, weight, bias, stride, padding, dilation, groups[, activation, negative_slope]): convbias::forward through the C++
 // dispatcher, for ConvBias2d's eager calls. A call through torch.ops matches its Python arguments against the
 // schema generically and calls the op boxed, ~5 us of host time per call (measured: 8.9 us for a tiny CPU
 // convolution against 3.4 us for F.conv2d), which is most of a small layer's cost on a GPU. This entry takes
@@ -43,9 +43,22 @@ bool int_pair(PyObject* obj, std::array<int64_t, 2>& out) {
 
 PyObject* forward_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 7 || !THPVariable_CheckExact(args[0]) || !THPVariable_CheckExact(args[1]) ||
+  if ((nargs != 7 && nargs != 9) || !THPVariable_CheckExact(args[0]) || !THPVariable_CheckExact(args[1]) ||
       !(args[2] == Py_None || THPVariable_CheckExact(args[2])) || !PyLong_CheckExact(args[6])) {
     Py_RETURN_NOTIMPLEMENTED;
+  }
+  // Optional: activation (a str) and negative_slope (a float).
+  const char* activation = "identity";
+  double negative_slope = 0.01;
+  if (nargs == 9) {
+    if (!PyUnicode_CheckExact(args[7]) || !PyFloat_CheckExact(args[8])) {
+      Py_RETURN_NOTIMPLEMENTED;
+    }
+    activation = PyUnicode_AsUTF8(args[7]);
+    if (activation == nullptr) {
+      return nullptr;
+    }
+    negative_slope = PyFloat_AS_DOUBLE(args[8]);
   }
   std::array<int64_t, 2> stride{}, padding{}, dilation{};
   if (!int_pair(args[3], stride) || !int_pair(args[4], padding) || !int_pair(args[5], dilation)) {
@@ -67,7 +80,7 @@ PyObject* forward_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize_t 
     // As torch's own bindings: other Python threads run while the op does; kernels that need Python (Python
     // dispatch modes, hooks) take the GIL back themselves.
     pybind11::gil_scoped_release no_gil;
-    output = convbias::forward(input, weight, bias, stride, padding, dilation, groups);
+    output = convbias::forward(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
   }
   return THPVariable_Wrap(std::move(output));
   END_HANDLE_TH_ERRORS

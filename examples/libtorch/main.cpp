@@ -37,6 +37,9 @@ bool run(const torch::Device& device) {
   const std::string name = device.str();
   const double tolerance = 1e-4;
   bool ok = check(name + " forward", y, expected, tolerance);
+  // With an activation: conv + bias + GELU in one call.
+  const at::Tensor activated = convbias::forward(x, w, b, stride, padding, dilation, 1, "gelu");
+  ok = check(name + " forward + gelu", activated, at::gelu(expected), tolerance) && ok;
   ok = check(name + " grad_weight", grad_weight.value(), std::get<1>(reference), tolerance) && ok;
   ok = check(name + " grad_bias", grad_bias.value(), std::get<2>(reference), tolerance) && ok;
   return ok;
