@@ -125,6 +125,20 @@ ConvParams check_forward_args(
   return params;
 }
 
+std::pair<ConvParams, ActivationSpec> check_forward_call(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    c10::string_view activation,
+    double negative_slope) {
+  ConvParams params = check_forward_args(input, weight, bias, stride, padding, dilation, groups);
+  return {params, parse_activation("convbias.forward", activation, negative_slope)};
+}
+
 ConvParams check_param_grad_args(
     const at::Tensor& grad_output,
     const at::Tensor& input,

@@ -8,6 +8,9 @@
 
 #include <array>
 #include <optional>
+#include <utility>
+
+#include "activation.h"
 
 namespace convbias {
 
@@ -29,6 +32,19 @@ ConvParams check_forward_args(
     at::IntArrayRef padding,
     at::IntArrayRef dilation,
     int64_t groups);
+
+// check_forward_args, then the activation's (parse_activation): what every kernel of convbias::forward (and its
+// explain) starts with.
+std::pair<ConvParams, ActivationSpec> check_forward_call(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    c10::string_view activation,
+    double negative_slope);
 
 // Checks the arguments of convbias::param_grad: the forward's checks on (input, weight) plus a grad_output of
 // the forward's output shape, dtype and device.

@@ -58,8 +58,8 @@ at::Tensor forward_cpu(
     int64_t groups,
     c10::string_view activation,
     double negative_slope) {
-  check_forward_args(input, weight, bias, stride, padding, dilation, groups);
-  const ActivationSpec spec = parse_activation("convbias.forward", activation, negative_slope);
+  const ActivationSpec spec =
+      check_forward_call(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope).second;
   return forward_reference(input, weight, bias, stride, padding, dilation, groups, spec);
 }
 
@@ -111,8 +111,8 @@ std::string explain_cpu(
     int64_t groups,
     c10::string_view activation,
     double negative_slope) {
-  check_forward_args(input, weight, bias, stride, padding, dilation, groups);
-  const ActivationSpec spec = parse_activation("convbias.forward", activation, negative_slope);
+  const ActivationSpec spec =
+      check_forward_call(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope).second;
   return Json{
       {"path", "aten"},
       {"activation", {{"name", activation_name(spec.kind)}, {"fused", false}, {"how", "ATen, before the result is rounded"}}},

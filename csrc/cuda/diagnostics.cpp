@@ -124,8 +124,8 @@ std::string explain_cuda(
     int64_t groups,
     c10::string_view activation,
     double negative_slope) {
-  const ConvParams params = check_forward_args(input, weight, bias, stride, padding, dilation, groups);
-  const ActivationSpec spec = parse_activation("convbias.forward", activation, negative_slope);
+  const auto [params, spec] =
+      check_forward_call(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
   const c10::cuda::CUDAGuard device_guard(input.device());
   Json out{{"math", math_json()}};
   out["activation"] = {
