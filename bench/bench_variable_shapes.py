@@ -31,7 +31,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -83,37 +82,6 @@ def make_step(net: nn.Module, x: torch.Tensor) -> Callable[[], torch.Tensor]:
     return step
 
 
-def gpu_kernel_ms(steps: Sequence[Callable[[], Any]], device: str) -> float | None:
-    """GPU kernel time (ms) of running each of `steps` once, from the profiler; None on the CPU."""
-    if device != "cuda":
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    common.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for step in steps:
-            step()
-        common.synchronize(device)
-    return sum(e.self_device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
-
-
-def back_to_back_ms(step: Callable[[], Any], repeat: int, device: str) -> float:
-    """ms per step of `repeat` steps queued back to back after one warm step."""
-    step()
-    if device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeat):
-            step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / repeat
-    begin = time.perf_counter()
-    for _ in range(repeat):
-        step()
-    return (time.perf_counter() - begin) * 1e3 / repeat
-
-
 def worker(config: str, mode_name: str, count: int, repeat: int, device: str) -> dict[str, Any]:
     """One configuration's measurements, both sides interleaved shape by shape (this process's knobs)."""
     import torch_convbias
@@ -141,8 +109,8 @@ def worker(config: str, mode_name: str, count: int, repeat: int, device: str) ->
         for i, x in enumerate(inputs):
             order = list(sides) if i % 2 == 0 else list(reversed(sides))
             for name in order:
-                steady[name] += back_to_back_ms(make_step(sides[name], x), repeat, device)
-        gpu = {name: gpu_kernel_ms([make_step(net, x) for x in inputs], device) for name, net in sides.items()}
+                steady[name] += common.back_to_back_ms(make_step(sides[name], x), repeat, device)
+        gpu = {name: common.gpu_kernel_ms([make_step(net, x) for x in inputs], device) for name, net in sides.items()}
     return {
         "config": config,
         "mode": mode_name,

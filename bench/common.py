@@ -311,6 +311,37 @@ def time_back_to_back(
     return {name: summarize(samples[name]) for name in names}
 
 
+def gpu_kernel_ms(steps: Sequence[Callable[[], Any]], device: str) -> float | None:
+    """GPU kernel time (ms) of running each of `steps` once, from the profiler; None on the CPU."""
+    if device != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for step in steps:
+            step()
+        synchronize(device)
+    return sum(e.self_device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+
+
+def back_to_back_ms(step: Callable[[], Any], repeat: int, device: str) -> float:
+    """ms per step of `repeat` steps queued back to back after one warm step."""
+    step()
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeat):
+            step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / repeat
+    begin = time.perf_counter()
+    for _ in range(repeat):
+        step()
+    return (time.perf_counter() - begin) * 1e3 / repeat
+
+
 def time_cuda(
     fn: Callable[[], object], warmup: int, iters: int, device: str | torch.device | None = None
 ) -> dict[str, float | int]:

@@ -7,6 +7,8 @@ Public API:
 * :func:`conv_bias2d` (``torch_convbias.functional``): ``F.conv2d``'s signature;
 * :class:`ConvBias2d`: a drop-in ``nn.Conv2d``; :func:`convert` swaps a model's ``nn.Conv2d`` layers;
 * :class:`ConvBiasFunction`: the same forward/backward as an ``autograd.Function``;
+* ``torch.compile(model, backend="convbias")`` / :func:`compile`: unmodified nn.Conv2d models rewritten into the op
+  (``torch_convbias.compiler``);
 * :func:`explain`, :func:`explain_param_grad`, :func:`cache_info`, :func:`cache_clear`, :func:`versions`; ``python -m torch_convbias.doctor``.
 """
 
@@ -29,7 +31,9 @@ except (ImportError, OSError) as error:  # pragma: no cover - only when the exte
     ) from error
 
 from . import diagnostics, functional, ops  # noqa: E402  (ops registers fake kernels and autograd)
+from . import compiler  # noqa: E402  (registers the "convbias" torch.compile backend)
 from .autograd import ConvBiasFunction  # noqa: E402
+from .compiler import compile  # noqa: E402
 from .diagnostics import cache_clear, cache_info, explain, explain_param_grad, versions  # noqa: E402
 from .functional import conv_bias2d  # noqa: E402
 from .nn import ConvBias2d, convert  # noqa: E402
@@ -39,6 +43,8 @@ __all__ = [
     "ConvBiasFunction",
     "cache_clear",
     "cache_info",
+    "compile",
+    "compiler",
     "conv_bias2d",
     "convert",
     "diagnostics",

@@ -1,0 +1,225 @@
+"""Whole models: torchvision VGG-11, AlexNet and ResNet-50 (random weights, channels_last), a training step and
+inference, nn.Conv2d eager and compiled against ours.
+
+Variants, each on its own copy of one randomly initialised model, measured in one process, interleaved:
+
+* ``nn_eager``            the torchvision model as it is;
+* ``nn_compiled``         ``torch.compile(model)`` (Inductor, default mode);
+* ``nn_frozen``           inference only: ``torch.compile(model, options={"freezing": True})`` (Inductor folds batch
+                          norms and constants, as a deployment would);
+* ``ours_eager``          ``torch_convbias.convert(model)`` run eagerly;
+* ``ours_backend``        ``torch.compile(model, backend="convbias")``: the unmodified model rewritten into our ops,
+                          then Inductor.
+
+A training step is forward, cross-entropy loss, backward and an SGD step (foreach); inference is a forward under
+``torch.inference_mode()``. Per variant: ``gpu_ms``, the GPU kernel time of one step (profiler sums, the work
+itself: a compiled step of a small model measures the host otherwise), and ``step_ms``, steps queued back to back
+(the rate a loop gets). Ratios are the strongest nn side over ours (> 1: ours is faster), on GPU time.
+
+Numerics: each variant's logits (first call, before any parameter update) against the nn model run in float64 on
+the same input: relative RMS error, passing when within twice nn eager's own error plus the mode's rounding bound.
+
+``python -m bench.bench_models`` (GPU; torchvision needed) writes ``bench/results/models-<gpu>.json``;
+``--device cpu --models tiny`` is a smoke test of the script (a small built-in CNN, no torchvision).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_convbias
+from bench import common
+
+TRAIN_VARIANTS = ("nn_eager", "nn_compiled", "ours_eager", "ours_backend")
+INFER_VARIANTS = ("nn_eager", "nn_compiled", "nn_frozen", "ours_eager", "ours_backend")
+# (batch for training, batch for inference, image side): GPU-bound on the H200 in every mode.
+MODELS: dict[str, tuple[int, int, int]] = {
+    "vgg11": (128, 256, 224),
+    "alexnet": (512, 1024, 224),
+    "resnet50": (128, 256, 224),
+    "tiny": (4, 4, 32),
+}
+# Targets of issue 14 (GPU time): headline = the faster nn compiled variant / ours_backend.
+TARGETS: dict[tuple[str, str], dict[str, float]] = {
+    ("vgg11", "train"): {"bf16": 1.12, "tf32": 1.06, "fp32": 1.10},
+    ("alexnet", "train"): {"bf16": 1.12, "tf32": 1.06, "fp32": 1.10},
+    ("vgg11", "infer"): {"bf16": 1.35, "tf32": 1.25},
+    ("alexnet", "infer"): {"bf16": 1.35, "tf32": 1.25},
+    ("resnet50", "infer"): {"bf16": 1.15},
+}
+
+
+def tiny() -> nn.Module:
+    """A small VGG-like CNN with batch norm and a residual-free stack (CPU smoke tests; no torchvision)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(inplace=True),
+        nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.GELU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+    )  # fmt: skip
+
+
+def build(name: str) -> nn.Module:
+    if name == "tiny":
+        return tiny()
+    import torchvision
+
+    return getattr(torchvision.models, name)(weights=None)
+
+
+def variants(model: nn.Module, phase: str, device: str) -> dict[str, nn.Module | Callable[..., Any]]:
+    """Each variant's callable, on its own deep copy of ``model``. On the CPU the backend also rewrites CPU
+    convolutions (the op's reference path) so that the script's logic runs end to end."""
+    options = {"convbias.devices": ("cpu", "cuda")} if device == "cpu" else None
+    out: dict[str, nn.Module | Callable[..., Any]] = {
+        "nn_eager": copy.deepcopy(model),
+        "nn_compiled": torch.compile(copy.deepcopy(model)),
+        "ours_eager": torch_convbias.convert(copy.deepcopy(model)),
+        "ours_backend": torch.compile(copy.deepcopy(model), backend="convbias", options=options),
+    }
+    if phase == "infer":
+        out["nn_frozen"] = torch.compile(copy.deepcopy(model), options={"freezing": True})
+    return {name: out[name] for name in (TRAIN_VARIANTS if phase == "train" else INFER_VARIANTS)}
+
+
+def parameters_of(fn: nn.Module | Callable[..., Any]) -> list[nn.Parameter]:
+    module = getattr(fn, "_orig_mod", fn)
+    return list(module.parameters()) if isinstance(module, nn.Module) else []
+
+
+def make_step(fn: nn.Module | Callable[..., Any], phase: str, x: torch.Tensor, target: torch.Tensor) -> Callable[[], Any]:
+    if phase == "infer":
+
+        def infer() -> torch.Tensor:
+            with torch.inference_mode():
+                return fn(x)
+
+        return infer
+    optimizer = torch.optim.SGD(parameters_of(fn), lr=1e-3, foreach=True)
+
+    def train() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(fn(x).float(), target)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return train
+
+
+def numerics(fns: dict[str, Any], reference: nn.Module, x: torch.Tensor, mode: common.Mode) -> dict[str, Any]:
+    """Each variant's first logits against float64 (see the module docstring), every model in eval mode (dropout
+    off, batch norm on its running statistics) so that all compute the same function."""
+    with torch.inference_mode():
+        expected = reference.double().eval()(x.double())
+        errors = {}
+        for name, fn in fns.items():
+            module = getattr(fn, "_orig_mod", fn)
+            was_training = module.training
+            module.eval()
+            try:
+                check = common.check_against_float64(fn(x), expected, mode)
+            finally:
+                module.train(was_training)
+            errors[name] = check.get("rel_rms_error")
+    bound = None if errors.get("nn_eager") is None else 2 * errors["nn_eager"] + mode.rel_rms
+    passed = {name: (e is not None and bound is not None and e <= bound) for name, e in errors.items()}
+    return {"rel_rms_error": errors, "bound": bound, "passed": all(passed.values()), "by_variant": passed}
+
+
+def measure(name: str, phase: str, mode: common.Mode, args: argparse.Namespace) -> dict[str, Any]:
+    train_batch, infer_batch, side = MODELS[name]
+    batch = train_batch if phase == "train" else infer_batch
+    if args.device == "cpu":
+        batch, side = 2, min(side, 32)
+    torch.manual_seed(args.seed)
+    model = build(name).to(device=args.device, dtype=mode.dtype, memory_format=torch.channels_last)
+    if phase == "infer":
+        model.eval()
+    x = torch.randn(batch, 3, side, side, device=args.device, dtype=mode.dtype).contiguous(memory_format=torch.channels_last)
+    target = torch.randint(0, 10, (batch,), device=args.device)
+    fns = variants(model, phase, args.device)
+    row: dict[str, Any] = {"model": name, "phase": phase, "mode": mode.name, "batch": batch, "side": side}
+    with common.mode_flags(mode, cudnn_benchmark=True):
+        row["numerics"] = numerics(fns, copy.deepcopy(model), x, mode)
+        steps = {variant: make_step(fn, phase, x, target) for variant, fn in fns.items()}
+        for step in steps.values():  # compile, autotune, warm
+            for _ in range(args.warmup):
+                step()
+        rates = common.time_back_to_back(steps, args.calls, args.repeats, args.device)
+        gpu = {variant: common.gpu_kernel_ms([step] * args.calls, args.device) for variant, step in steps.items()}
+    row["step_ms"] = {v: rates[v]["median_ms"] for v in steps}
+    row["gpu_ms"] = {v: (g / args.calls if g is not None else None) for v, g in gpu.items()}
+    reports = list(torch_convbias.compiler.reports)
+    row["rewrites"] = reports[-1].count() if reports else None
+
+    def over_ours(key: str, nn_side: Sequence[str]) -> float | None:
+        ours = row[key].get("ours_backend")
+        theirs = [row[key][v] for v in nn_side if row[key].get(v)]
+        return min(theirs) / ours if ours and theirs else None
+
+    compiled = ("nn_compiled", "nn_frozen") if phase == "infer" else ("nn_compiled",)
+    row["backend_vs_nn_compiled_gpu"] = over_ours("gpu_ms", compiled)
+    row["backend_vs_nn_compiled_rate"] = over_ours("step_ms", compiled)
+    row["backend_vs_nn_eager_gpu"] = over_ours("gpu_ms", ("nn_eager",))
+    eager_ours, eager_nn = row["gpu_ms"].get("ours_eager"), row["gpu_ms"].get("nn_eager")
+    row["ours_eager_vs_nn_eager_gpu"] = eager_nn / eager_ours if eager_ours and eager_nn else None
+    goal = TARGETS.get((name, phase), {}).get(mode.name)
+    headline = row["backend_vs_nn_compiled_gpu"]
+    row["target"] = goal
+    row["target_pass"] = None if goal is None or headline is None else headline >= goal
+    return row
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_models", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=lambda s: s.split(","), default=["vgg11", "alexnet", "resnet50"])
+    parser.add_argument("--phases", type=lambda s: s.split(","), default=["train", "infer"])
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=["bf16", "tf32", "fp32"])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=10, help="steps queued back to back per sample (and profiled)")
+    parser.add_argument("--repeats", type=int, default=5, help="samples per variant, variants interleaved")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    unknown = set(args.models) - set(MODELS)
+    if unknown:
+        parser.error(f"unknown model(s) {sorted(unknown)}; choose from {sorted(MODELS)}")
+    results: dict[str, Any] = {"environment": common.environment(), "config": vars(args), "rows": []}
+    for name in args.models:
+        for phase in args.phases:
+            for mode_name in args.modes:
+                mode = common.modes()[mode_name]
+                try:
+                    row = measure(name, phase, mode, args)
+                    row["status"] = "ok"
+                except Exception as error:  # noqa: BLE001 - recorded; the other rows still run
+                    row = {"model": name, "phase": phase, "mode": mode_name, "status": "failed", "error": common.short_error(error)}
+                results["rows"].append(row)
+                common.write_json(results, args.out, "models")
+                print(
+                    f"{name:9s} {phase:5s} {mode_name:4s} {row['status']:6s} "
+                    f"backend/nn_compiled (GPU) {common.fmt(row.get('backend_vs_nn_compiled_gpu'))}x "
+                    f"(rate {common.fmt(row.get('backend_vs_nn_compiled_rate'))}x), "
+                    f"ours eager/nn eager {common.fmt(row.get('ours_eager_vs_nn_eager_gpu'))}x, "
+                    f"target {row.get('target')} {common.verdict(row.get('target_pass'))}, "
+                    f"numerics {common.verdict((row.get('numerics') or {}).get('passed'))}",
+                    flush=True,
+                )
+                common.free_memory(args.device)
+    path = common.write_json(results, args.out, "models")
+    print(f"results: {path}")
+    return 0 if all(r["status"] == "ok" for r in results["rows"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

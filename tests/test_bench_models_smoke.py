@@ -1,0 +1,32 @@
+"""Smoke test of bench/bench_models.py's logic on the CPU: the tiny built-in model, every variant (Inductor
+included), training and inference; the timings mean nothing here, the structure and the numerics check do."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import bench_models  # noqa: E402
+
+
+def test_models_benchmark_runs_every_variant_on_cpu(tmp_path: Path) -> None:
+    argv = ["--device", "cpu", "--models", "tiny", "--modes", "fp32", "--warmup", "1", "--calls", "1", "--repeats", "1"]
+    assert bench_models.main([*argv, "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("models-*.json")
+    results = json.loads(path.read_text())
+    assert {"commit", "torch", "cudnn", "timestamp_utc"} <= set(results["environment"])
+    rows = {row["phase"]: row for row in results["rows"]}
+    assert set(rows) == {"train", "infer"}
+    for phase, variants in (("train", bench_models.TRAIN_VARIANTS), ("infer", bench_models.INFER_VARIANTS)):
+        row = rows[phase]
+        assert row["status"] == "ok" and set(row["step_ms"]) == set(variants)
+        assert row["numerics"]["passed"], row["numerics"]
+        assert row["backend_vs_nn_compiled_rate"] > 0
+    # The tiny model's convolutions rewritten: in training the two with a bias (the bias-free one keeps its batch
+    # norm), in inference all three (the batch norm folded into the second).
+    assert rows["train"]["rewrites"] == 2 and rows["infer"]["rewrites"] == 3

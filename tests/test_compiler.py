@@ -1,0 +1,359 @@
+"""The "convbias" torch.compile backend (torch_convbias.compiler): registration, which convolutions it rewrites and
+which it leaves alone (counted in the graph it hands on), and that compiled models match eager nn.Conv2d models in
+the forward and every gradient.
+
+CPU convolutions are rewritten only with ``convbias.devices`` including "cpu" (the op's CPU reference path); the
+oracle is the same model run eagerly in float64. The compiled graphs go to ``aot_eager`` (AOTAutograd without
+Inductor, quick on a CPU) except where Inductor itself is under test.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import HAS_CUDA, cuda
+from torch import nn
+
+import torch_convbias
+from torch_convbias import compiler
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_OPTIONS = {"convbias.devices": ("cpu", "cuda"), "convbias.inner": "aot_eager"}
+
+
+class Recorder:
+    """An inner backend that keeps the rewritten graphs it is given, then runs them through aot_eager."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.graphs.append(copy.deepcopy(gm))
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    def ops(self, name: str = "forward") -> list[torch.fx.Node]:
+        """The convbias op nodes of every graph recorded."""
+        target = getattr(torch.ops.convbias, name).default
+        return [n for gm in self.graphs for n in gm.graph.nodes if n.op == "call_function" and n.target == target]
+
+    def conv2d_nodes(self) -> list[torch.fx.Node]:
+        return [n for gm in self.graphs for n in gm.graph.nodes if n.op == "call_function" and n.target in (torch.conv2d, torch.nn.functional.conv2d)]
+
+
+def compile_recorded(model: nn.Module, devices: tuple[str, ...] = ("cpu", "cuda"), **options: Any) -> tuple[Any, Recorder]:
+    torch._dynamo.reset()
+    recorder = Recorder()
+    opts = {"convbias.devices": devices, "convbias.inner": recorder, **options}
+    return torch.compile(model, backend="convbias", options=opts, fullgraph=True), recorder
+
+
+def check_against_float64(model: nn.Module, compiled: Any, x: torch.Tensor, *, grads: bool = True, tol: float = 1e-4) -> None:
+    """Forward and (with ``grads``) every parameter and input gradient of ``compiled`` equal the float64 eager run
+    of a copy of ``model``."""
+    reference = copy.deepcopy(model).double()
+    x64 = x.detach().double().requires_grad_(grads)
+    x32 = x.detach().clone().requires_grad_(grads)
+    expected = reference(x64)
+    actual = compiled(x32)
+    torch.testing.assert_close(actual.double(), expected, rtol=tol, atol=tol)
+    if not grads:
+        return
+    seed = torch.randn_like(expected)
+    expected.backward(seed)
+    actual.backward(seed.to(actual.dtype))
+    torch.testing.assert_close(x32.grad.double(), x64.grad, rtol=tol, atol=tol)
+    for (name, p), p64 in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad.double(), p64.grad, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def activation_stack() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(8, 8, 3, padding="same", dilation=2),
+        nn.GELU(approximate="tanh"),
+        nn.Conv2d(8, 8, 3, padding=1, groups=4),
+        nn.SiLU(),
+        nn.Conv2d(8, 8, 1, bias=False),
+        nn.LeakyReLU(0.2),
+        nn.Conv2d(8, 8, 3, stride=2, padding=(1, 0)),
+        nn.GELU(),
+        nn.Conv2d(8, 8, 1),
+        nn.Sigmoid(),
+        nn.Conv2d(8, 8, 1),
+        nn.Tanh(),
+        nn.Conv2d(8, 4, 3),
+    )
+
+
+def test_backend_is_registered_and_declared_as_entry_point() -> None:
+    assert "convbias" in torch._dynamo.list_backends()
+    entry_points = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["torch_dynamo_backends"]
+    assert entry_points == {"convbias": "torch_convbias.compiler:convbias_backend"}
+
+
+def test_entry_point_loads_without_double_registration() -> None:
+    """As Dynamo does for an installed package: the entry point is discovered first, then loaded on lookup (which
+    imports torch_convbias, whose import must then leave the registration to Dynamo)."""
+    script = (
+        "import torch\n"
+        "from importlib.metadata import EntryPoint\n"
+        "from torch._dynamo.backends import registry\n"
+        "registry._lazy_import()\n"
+        "registry._BACKENDS['convbias'] = EntryPoint('convbias', 'torch_convbias.compiler:convbias_backend', "
+        "'torch_dynamo_backends')\n"
+        "fn = registry.lookup_backend('convbias')\n"
+        "import torch_convbias.compiler as c\n"
+        "assert fn is c.convbias_backend, fn\n"
+        "assert 'convbias' in torch._dynamo.list_backends()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_every_activation_fused_and_matches_float64_eager() -> None:
+    torch.manual_seed(0)
+    model = activation_stack()
+    compiled, recorder = compile_recorded(model)
+    check_against_float64(model, compiled, torch.randn(2, 3, 12, 12))
+    ops = recorder.ops()
+    assert [n.args[7] for n in ops] == ["relu", "gelu_tanh", "silu", "leaky_relu", "gelu", "sigmoid", "tanh", "identity"]
+    assert ops[3].args[2] is None and ops[3].args[8] == pytest.approx(0.2)  # the bias-free conv fused with LeakyReLU
+    assert ops[1].args[4] == [2, 2] and ops[1].args[5] == [2, 2]  # padding='same' resolved (dilation 2)
+    assert ops[2].args[6] == 4 and ops[4].args[3] == [2, 2]
+    assert recorder.conv2d_nodes() == []
+    report = compiler.reports[-1]
+    assert report.count() == 8 and report.count(activation="relu") == 1 and report.skipped == []
+
+
+def test_functional_and_method_activations_are_fused() -> None:
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3), nn.Conv2d(8, 8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = torch.relu(self.a(x))
+            x = self.b(x).sigmoid()
+            return torch.nn.functional.leaky_relu(self.c(x), 0.3)
+
+    torch.manual_seed(0)
+    model = Functional()
+    compiled, recorder = compile_recorded(model)
+    check_against_float64(model, compiled, torch.randn(2, 3, 10, 10))
+    assert [(n.args[7], n.args[8]) for n in recorder.ops()] == [("relu", 0.01), ("sigmoid", 0.01), ("leaky_relu", pytest.approx(0.3))]
+
+
+def test_conv_output_used_elsewhere_keeps_the_activation_separate() -> None:
+    """A residual use of the convolution's output: the conv + bias is rewritten, the ReLU stays a separate node."""
+
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.conv(x)
+            return torch.relu(y) + y
+
+    torch.manual_seed(0)
+    model = Residual()
+    compiled, recorder = compile_recorded(model)
+    check_against_float64(model, compiled, torch.randn(2, 4, 8, 8))
+    assert [n.args[7] for n in recorder.ops()] == ["identity"]
+    assert any(n.target is torch.relu for gm in recorder.graphs for n in gm.graph.nodes)
+    assert any("other users" in s["reason"] for s in compiler.reports[-1].skipped)
+
+
+def test_hooks_that_change_or_keep_the_conv_output_are_respected() -> None:
+    """A forward pre-hook on the activation that changes its input, and a forward hook on the convolution that keeps
+    its output: neither pair is fused (what the hooks see and do is unchanged); the convolutions still are."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.ReLU(), nn.Conv2d(6, 6, 3), nn.ReLU())
+    model[1].register_forward_pre_hook(lambda module, args: (args[0] * 0.5,))
+    seen: list[torch.Tensor] = []
+    model[2].register_forward_hook(lambda module, args, output: seen.append(output.detach()))
+    compiled, recorder = compile_recorded(model)
+    check_against_float64(model, compiled, torch.randn(2, 3, 10, 10))
+    assert [n.args[7] for n in recorder.ops()] == ["identity", "identity"]
+    assert len(seen) >= 2  # the hook ran in the compiled model too
+
+
+def test_an_activation_after_conv_bias2d_is_fused() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(torch_convbias.ConvBias2d(3, 8, 3, padding=1), nn.GELU(), torch_convbias.ConvBias2d(8, 4, 3))
+    compiled, recorder = compile_recorded(model)
+    check_against_float64(model, compiled, torch.randn(2, 3, 9, 9))
+    assert [n.args[7] if len(n.args) > 7 else "identity" for n in recorder.ops()] == ["gelu", "identity"]
+    assert compiler.reports[-1].count() == 1
+
+
+def test_unsupported_convolutions_are_left_alone() -> None:
+    """float64, a CPU model with the default devices (CUDA only), a bias-free conv with nothing to fuse, and
+    padding='same' needing asymmetric padding: no rewrite, each with its reason."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).double()
+    compiled, recorder = compile_recorded(model)
+    compiled(torch.randn(1, 3, 8, 8, dtype=torch.float64))
+    assert recorder.ops() == [] and "dtype torch.float64" in compiler.reports[-1].skipped[0]["reason"]
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    compiled, recorder = compile_recorded(model, devices=("cuda",))
+    compiled(torch.randn(1, 3, 8, 8))
+    assert recorder.ops() == [] and "device cpu" in compiler.reports[-1].skipped[0]["reason"]
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.Conv2d(4, 4, 2, padding="same"))
+    compiled, recorder = compile_recorded(model)
+    check_against_float64(model, compiled, torch.randn(1, 3, 8, 8))
+    reasons = [s["reason"] for s in compiler.reports[-1].skipped]
+    assert recorder.ops() == [] and len(recorder.conv2d_nodes()) == 2
+    assert any("no bias" in r for r in reasons) and any("asymmetric" in r for r in reasons)
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: conv -> BN -> ReLU -> conv -> BN, plus the shortcut, then ReLU."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + x)
+
+
+def residual_net() -> nn.Sequential:
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), BasicBlock(8), BasicBlock(8))
+    # Running statistics and affine parameters away from their initial values, so that folding is exercised.
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.uniform_(m.bias, -0.5, 0.5)
+    return net
+
+
+def test_batchnorm_is_folded_for_inference() -> None:
+    torch.manual_seed(0)
+    model = residual_net().eval()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        compiled, recorder = compile_recorded(model)
+        check_against_float64(model, compiled, x, grads=False)
+    report = compiler.reports[-1]
+    # Every conv folded its BN; the stem and each block's first conv also took the ReLU; the blocks' second convs
+    # feed the residual add, so their ReLU stays outside.
+    assert report.count(batchnorm=True) == 5 and report.count(activation="relu") == 3
+    assert not any(n.target in (torch.nn.functional.batch_norm,) for gm in recorder.graphs for n in gm.graph.nodes)
+    # Folding reads the live statistics on every call: nothing is frozen.
+    with torch.no_grad():
+        model[1].running_mean.add_(0.25)
+        check_against_float64(model, compiled, x, grads=False)
+
+
+def test_batchnorm_is_not_folded_while_training() -> None:
+    """Training mode (batch statistics) and eval mode with gradients recorded both keep the batch norm."""
+    torch.manual_seed(0)
+    model = residual_net()
+    compiled, recorder = compile_recorded(model)
+    check_against_float64(model.eval(), compiled, torch.randn(2, 3, 8, 8), tol=1e-4)
+    report = compiler.reports[-1]
+    assert report.count(batchnorm=True) == 0 and report.count() == 1  # only the stem conv has a bias
+    assert any("folded for inference only" in s["reason"] for s in report.skipped)
+
+
+def test_options_are_checked_and_passed_on() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    x = torch.randn(1, 3, 6, 6)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unknown option.*convbias.fuse"):
+        torch.compile(model, backend="convbias", options={"convbias.fuse": True})(x)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="convbias.devices"):
+        torch.compile(model, backend="convbias", options={"convbias.devices": "cpu"})(x)
+    # fuse_activations=False: the conv + bias is rewritten, the ReLU is not fused.
+    compiled, recorder = compile_recorded(model, **{"convbias.fuse_activations": False})
+    compiled(x)
+    assert [n.args[7] for n in recorder.ops()] == ["identity"]
+
+
+def test_inductor_compiles_the_rewritten_graph_with_dynamic_batch() -> None:
+    """Default inner backend (Inductor), fullgraph, dynamic batch sizes: one graph, rewritten, equal to float64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    torch._dynamo.reset()
+    compiler.reports.clear()
+    compiled = torch_convbias.compile(model, fullgraph=True, dynamic=True, options={"convbias.devices": ("cpu", "cuda")})
+    for batch in (2, 3, 5):
+        check_against_float64(model, compiled, torch.randn(batch, 3, 8, 8))
+    assert len(compiler.reports) == 1  # one graph for every batch size
+    assert compiler.reports[-1].count() == 2 and compiler.reports[-1].count(activation="relu") == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA: the default devices, Inductor, channels_last, against eager nn.Conv2d models.
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_training_step_matches_eager(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = activation_stack().cuda().to(dtype).to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="convbias")
+    x = torch.randn(8, 3, 16, 16, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        expected = model(x)
+        expected.float().square().sum().backward()
+        eager_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        actual = compiled(x)
+        actual.float().square().sum().backward()
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    assert compiler.reports[-1].count() == 8
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
+    for p, g in zip(model.parameters(), eager_grads):
+        torch.testing.assert_close(p.grad, g, rtol=tol, atol=tol * max(1.0, g.abs().max().item()))
+
+
+@cuda
+def test_cuda_inference_folds_batchnorm_under_reduce_overhead() -> None:
+    torch.manual_seed(0)
+    model = residual_net().cuda().eval().to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="convbias", mode="reduce-overhead")
+    with torch.inference_mode():
+        expected = model.double()(x.double()).float()
+        model.float()
+        for _ in range(3):  # recorded, then replayed
+            actual = compiled(x)
+    assert compiler.reports[-1].count(batchnorm=True) == 5
+    torch.testing.assert_close(actual, expected, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only default")
+def test_cpu_models_are_untouched_by_default() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    torch._dynamo.reset()
+    torch.compile(model, backend="convbias", options={"convbias.inner": "aot_eager"})(torch.randn(1, 3, 6, 6))
+    assert compiler.reports[-1].count() == 0

@@ -1,0 +1,444 @@
+"""The ``convbias`` torch.compile backend: nn.Conv2d (+ bias) (+ activation) rewritten into ``convbias.forward``.
+
+``torch.compile(model, backend="convbias")`` (or :func:`compile`) captures the model with Dynamo as usual; before
+AOTAutograd sees the graph, :func:`rewrite_graph` replaces
+
+* ``conv2d(x, w, b)`` by ``convbias.forward(x, w, b)`` (the bias fused into the convolution),
+* ``act(conv2d(x, w, b))`` by ``convbias.forward(x, w, b, activation=act)`` for ReLU, LeakyReLU, GELU (erf and
+  tanh), SiLU, Sigmoid and Tanh, written as modules, functions or tensor methods, in place or not; a ConvBias2d
+  followed by such an activation likewise,
+* in inference (grad disabled, batch norm in eval mode), ``batch_norm(conv2d(x, w, b))`` by a convolution whose
+  weight and bias have the normalisation folded in (computed in the graph from the live parameters and running
+  statistics on every call, so nothing is frozen), which can then take the following activation too,
+
+then hands the graph to Inductor with the caller's ``mode`` and ``options`` (or to another backend,
+``options={"convbias.inner": "aot_eager"}``). Only what the op covers is rewritten: CUDA tensors (by default) of
+float16, bfloat16 or float32, 4-D inputs, integer padding or ``'valid'`` / a symmetric ``'same'``. A pattern that
+could change what the program computes is left as it is: an activation is fused only when the convolution's
+output has no other user (a hook that reads it, a residual branch), a batch norm only when its convolution's output
+feeds nothing else. ``TORCH_CONVBIAS_COMPILE_LOG=1`` logs every rewrite and every candidate left alone with the
+reason; :data:`reports` keeps the last graphs' :class:`RewriteReport`.
+
+Backend options (keys of ``options`` starting with ``convbias.``, removed before Inductor sees the rest):
+
+* ``convbias.devices``: device types whose convolutions are rewritten, default ``("cuda",)``; ``("cpu", "cuda")``
+  also rewrites CPU convolutions into the op's CPU reference path (tests);
+* ``convbias.fuse_activations`` (default True), ``convbias.fold_batchnorm`` (default True);
+* ``convbias.inner``: the backend that compiles the rewritten graph, default ``"inductor"``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import inspect
+import logging
+import operator
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+__all__ = ["RewriteReport", "compile", "convbias_backend", "reports", "rewrite_graph"]
+
+LOG = logging.getLogger("torch_convbias.compile")
+if os.environ.get("TORCH_CONVBIAS_COMPILE_LOG", "") not in ("", "0"):
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("[torch_convbias.compile] %(message)s"))
+    LOG.addHandler(_handler)
+    LOG.setLevel(logging.INFO)
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_OPTION_PREFIX = "convbias."
+
+
+@dataclasses.dataclass
+class RewriteReport:
+    """What :func:`rewrite_graph` did to one graph: ``rewrites`` holds one line per convolution replaced (its node,
+    the activation fused, whether a batch norm was folded), ``skipped`` one line per candidate left alone and why."""
+
+    rewrites: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
+
+    def count(self, *, activation: str | None = None, batchnorm: bool | None = None) -> int:
+        """How many convolutions were rewritten, optionally only those with ``activation`` / a folded batch norm."""
+        return sum(
+            1
+            for r in self.rewrites
+            if (activation is None or r["activation"] == activation)
+            and (batchnorm is None or r["batchnorm_folded"] == batchnorm)
+        )
+
+
+# The last graphs' reports, newest last (a graph break makes several graphs per compiled function).
+reports: collections.deque[RewriteReport] = collections.deque(maxlen=64)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    devices: tuple[str, ...] = ("cuda",)
+    fuse_activations: bool = True
+    fold_batchnorm: bool = True
+    inner: str | Callable[..., Any] = "inductor"
+
+
+def _config_from(options: dict[str, Any]) -> _Config:
+    known = {f"{_OPTION_PREFIX}{field.name}" for field in dataclasses.fields(_Config)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(
+            f"convbias backend: unknown option(s) {', '.join(unknown)}; expected some of {', '.join(sorted(known))}"
+        )
+    values = {key[len(_OPTION_PREFIX) :]: value for key, value in options.items()}
+    if "devices" in values:
+        devices = values["devices"]
+        if isinstance(devices, str) or not all(d in ("cpu", "cuda") for d in devices):
+            raise ValueError(f"convbias backend: expected `convbias.devices` to be a sequence of 'cpu' / 'cuda', got {devices!r}")
+        values["devices"] = tuple(devices)
+    for flag in ("fuse_activations", "fold_batchnorm"):
+        if flag in values and not isinstance(values[flag], bool):
+            raise ValueError(f"convbias backend: expected `convbias.{flag}` to be a bool, got {values[flag]!r}")
+    return _Config(**values)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Recognising the nodes: convolutions, activations, batch norms as Dynamo records them (torch-level calls).
+
+
+def _conv2d_signature(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):  # type: ignore[no-untyped-def]
+    pass
+
+
+def _convbias_signature(  # type: ignore[no-untyped-def]
+    input, weight, bias, stride, padding, dilation, groups, activation="identity", negative_slope=0.01
+):
+    pass
+
+
+def _batch_norm_signature(  # type: ignore[no-untyped-def]
+    input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5
+):
+    pass
+
+
+def _bound(signature_of: Callable[..., None], node: fx.Node) -> dict[str, Any] | None:
+    """The node's arguments by name (defaults filled in), or None if they do not fit the signature."""
+    try:
+        bound = inspect.signature(signature_of).bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+_CONV_TARGETS = (torch.conv2d, F.conv2d)
+_BATCH_NORM_TARGETS = (F.batch_norm, torch.batch_norm)
+
+
+def _is_convbias_op(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (torch.ops.convbias.forward, torch.ops.convbias.forward.default)
+
+
+def _activation_of(node: fx.Node) -> tuple[str, float] | None:
+    """(activation, negative_slope) for a node applying a supported activation to its first argument, else None."""
+    if node.op == "call_method":
+        name = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoid_": "sigmoid", "tanh": "tanh", "tanh_": "tanh"}
+        return (name[node.target], 0.01) if node.target in name and len(node.args) == 1 and not node.kwargs else None
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if target in (F.relu, torch.relu, torch.relu_, F.relu_):
+        return "relu", 0.01
+    if target in (torch.sigmoid, F.sigmoid, torch.sigmoid_):
+        return "sigmoid", 0.01
+    if target in (torch.tanh, F.tanh, torch.tanh_):
+        return "tanh", 0.01
+    if target is F.silu:
+        return "silu", 0.01
+    if target in (F.gelu, torch._C._nn.gelu):
+        approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+        return {"none": ("gelu", 0.01), "tanh": ("gelu_tanh", 0.01)}.get(approximate) if isinstance(approximate, str) else None
+    if target in (F.leaky_relu, torch._C._nn.leaky_relu, F.leaky_relu_, torch._C._nn.leaky_relu_):
+        slope = node.kwargs.get("negative_slope", node.args[1] if len(node.args) > 1 else 0.01)
+        return ("leaky_relu", float(slope)) if isinstance(slope, (int, float)) and not isinstance(slope, bool) else None
+    return None
+
+
+def _example(node: Any) -> torch.Tensor | None:
+    """The fake tensor Dynamo recorded for a node's value, if any."""
+    if not isinstance(node, fx.Node):
+        return None
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _int_pair(value: Any) -> list[int] | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value, value]
+    if isinstance(value, (list, tuple)) and len(value) in (1, 2):
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return [value[0], value[-1]]
+    return None
+
+
+def _normalised_conv_args(args: dict[str, Any], weight: torch.Tensor) -> tuple[dict[str, Any] | None, str]:
+    """stride, padding, dilation, groups as the op takes them, or (None, why not)."""
+    stride, dilation = _int_pair(args["stride"]), _int_pair(args["dilation"])
+    groups = args["groups"]
+    if stride is None or dilation is None or not isinstance(groups, int) or isinstance(groups, bool):
+        return None, "stride, dilation or groups is not a constant int"
+    padding: Any = args["padding"]
+    if padding == "valid":
+        padding = [0, 0]
+    elif padding == "same":
+        kernel = [weight.shape[2], weight.shape[3]]
+        if not all(isinstance(k, int) for k in kernel):
+            return None, "padding='same' with a symbolic kernel size"
+        totals = [dilation[d] * (kernel[d] - 1) for d in range(2)]
+        if stride != [1, 1] or any(t % 2 for t in totals):
+            return None, "padding='same' here needs asymmetric padding (even effective kernel)"
+        padding = [t // 2 for t in totals]
+    else:
+        padding = _int_pair(padding)
+        if padding is None:
+            return None, f"padding {args['padding']!r} is not an int pair, 'valid' or 'same'"
+    return {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups}, ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The rewrite.
+
+
+def _fold_batchnorm(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    bn_weight: torch.Tensor | None,
+    bn_bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight and bias of conv followed by eval-mode batch norm as one convolution, computed in FP32 from the
+    current values and rounded once to the weight's dtype (called inside the compiled graph on every call)."""
+    scale = torch.rsqrt(running_var.float() + eps)
+    if bn_weight is not None:
+        scale = scale * bn_weight.float()
+    shift = -running_mean.float() * scale
+    if bias is not None:
+        shift = shift + bias.float() * scale
+    if bn_bias is not None:
+        shift = shift + bn_bias.float()
+    folded_weight = (weight.float() * scale.reshape(-1, 1, 1, 1)).to(weight.dtype)
+    return folded_weight, shift.to(weight.dtype)
+
+
+def _grad_mode_is_off_throughout(graph: fx.Graph) -> bool:
+    """No gradient is recorded anywhere in the graph: grad mode off when compiling and never switched on inside."""
+    if torch.is_grad_enabled():
+        return False
+    return not any(n.op == "call_function" and n.target is torch._C._set_grad_enabled for n in graph.nodes)
+
+
+class _Rewriter:
+    def __init__(self, gm: fx.GraphModule, config: _Config) -> None:
+        self.gm, self.graph, self.config = gm, gm.graph, config
+        self.report = RewriteReport()
+        self.inference = _grad_mode_is_off_throughout(self.graph)
+
+    def skip(self, node: fx.Node, reason: str) -> None:
+        self.report.skipped.append({"node": node.name, "reason": reason})
+        LOG.info("left %s (%s) as it is: %s", node.name, node.format_node(), reason)
+
+    def check_tensors(self, node: fx.Node, input: Any, weight: Any, bias: Any) -> str:
+        """Why the op cannot take these tensors ("" when it can)."""
+        x, w, out = _example(input), _example(weight), _example(node)
+        if x is None or w is None or out is None:
+            return "no recorded example value for the input, weight or output"
+        if x.device.type not in self.config.devices:
+            return f"device {x.device} (rewritten: {', '.join(self.config.devices)})"
+        if out.dtype not in _SUPPORTED_DTYPES:
+            return f"dtype {out.dtype} (supported: float16, bfloat16, float32)"
+        if x.dim() != 4 or w.dim() != 4:
+            return f"{x.dim()}-D input (the op takes (N, C, H, W))"
+        if bias is not None:
+            b = _example(bias)
+            if b is None or b.dtype != w.dtype or b.dim() != 1:
+                return "the bias is not a 1-D tensor of the weight's dtype"
+        if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type) and not self._in_autocast(node):
+            return f"input dtype {x.dtype} differs from the weight's {w.dtype}"
+        return ""
+
+    def _in_autocast(self, node: fx.Node) -> bool:
+        """Whether an autocast region Dynamo recorded encloses the node (then dtypes may differ, as for conv2d)."""
+        depth = 0
+        for n in self.graph.nodes:
+            if n is node:
+                return depth > 0
+            if n.op == "call_function" and n.target is torch.amp.autocast_mode._enter_autocast:
+                depth += 1
+            elif n.op == "call_function" and n.target is torch.amp.autocast_mode._exit_autocast:
+                depth -= 1
+        return False
+
+    def single_user(self, node: fx.Node) -> fx.Node | None:
+        users = list(node.users)
+        return users[0] if len(users) == 1 else None
+
+    def fold_batchnorm(self, conv: fx.Node, bn: fx.Node, args: dict[str, Any]) -> tuple[Any, Any] | str:
+        """Folded (weight, bias) nodes for conv -> bn, inserted before the convolution, or why not."""
+        bn_args = _bound(_batch_norm_signature, bn)
+        if bn_args is None or bn_args["training"] is not False:
+            return "batch norm in training mode"
+        if not self.inference:
+            return "gradients are recorded (batch norm is folded for inference only)"
+        if not isinstance(bn_args["running_mean"], fx.Node) or not isinstance(bn_args["running_var"], fx.Node):
+            return "batch norm without running statistics"
+        eps = bn_args["eps"]
+        if not isinstance(eps, (int, float)):
+            return "batch norm eps is not a constant"
+        # Before the batch norm: every argument of both is defined by then.
+        with self.graph.inserting_before(bn):
+            folded = self.graph.call_function(
+                _fold_batchnorm,
+                (args["weight"], args["bias"], bn_args["running_mean"], bn_args["running_var"], bn_args["weight"], bn_args["bias"], float(eps)),
+            )
+            weight = self.graph.call_function(operator.getitem, (folded, 0))
+            bias = self.graph.call_function(operator.getitem, (folded, 1))
+        return weight, bias
+
+    def rewrite(self, conv: fx.Node) -> None:
+        from_convbias = _is_convbias_op(conv)
+        args = _bound(_convbias_signature if from_convbias else _conv2d_signature, conv)
+        if args is None:
+            return self.skip(conv, "arguments do not match conv2d's signature")
+        if from_convbias and (args["activation"] != "identity"):
+            return  # already fused
+        reason = self.check_tensors(conv, args["input"], args["weight"], args["bias"])
+        if reason:
+            return self.skip(conv, reason)
+        conv_args, reason = (
+            ({k: args[k] for k in ("stride", "padding", "dilation", "groups")}, "")
+            if from_convbias
+            else _normalised_conv_args(args, _example(args["weight"]))  # type: ignore[arg-type]
+        )
+        if conv_args is None:
+            return self.skip(conv, reason)
+
+        weight, bias, last, batchnorm_folded = args["weight"], args["bias"], conv, False
+        follower = self.single_user(conv)
+        if self.config.fold_batchnorm and follower is not None and follower.target in _BATCH_NORM_TARGETS:
+            folded = self.fold_batchnorm(conv, follower, args)
+            if isinstance(folded, str):
+                self.skip(follower, f"batch norm not folded: {folded}")
+            else:
+                (weight, bias), last, batchnorm_folded = folded, follower, True
+
+        activation, slope = "identity", 0.01
+        follower = self.single_user(last)
+        if self.config.fuse_activations and follower is not None:
+            found = _activation_of(follower)
+            if found is not None and follower.args and follower.args[0] is last:
+                (activation, slope), last = found, follower
+        elif self.config.fuse_activations and len(last.users) > 1:
+            if any(_activation_of(u) is not None for u in last.users):
+                self.skip(last, "activation not fused: the convolution's output has other users")
+
+        if bias is None and activation == "identity" and not from_convbias:
+            return self.skip(conv, "no bias, batch norm or activation to fuse")
+        if from_convbias and activation == "identity" and not batchnorm_folded:
+            return  # a ConvBias2d alone is already the op
+
+        with self.graph.inserting_before(last):
+            fused = self.graph.call_function(
+                torch.ops.convbias.forward.default,
+                (
+                    args["input"],
+                    weight,
+                    bias,
+                    conv_args["stride"],
+                    conv_args["padding"],
+                    conv_args["dilation"],
+                    conv_args["groups"],
+                    activation,
+                    float(slope),
+                ),
+            )
+        fused.meta.update({k: v for k, v in last.meta.items() if k in ("example_value", "val", "stack_trace", "nn_module_stack")})
+        last.replace_all_uses_with(fused)
+        replaced = [last]
+        while replaced[-1] is not conv:
+            replaced.append(replaced[-1].args[0])  # type: ignore[arg-type]
+        for node in replaced:
+            self.graph.erase_node(node)
+        record = {"node": conv.name, "activation": activation, "batchnorm_folded": batchnorm_folded, "bias": bias is not None}
+        self.report.rewrites.append(record)
+        LOG.info("rewrote %s into convbias.forward (activation %s%s)", conv.name, activation, ", batch norm folded" if batchnorm_folded else "")
+
+    def run(self) -> RewriteReport:
+        candidates = [
+            n for n in self.graph.nodes if (n.op == "call_function" and n.target in _CONV_TARGETS) or _is_convbias_op(n)
+        ]
+        for conv in candidates:
+            self.rewrite(conv)
+        if self.report.rewrites:
+            self.graph.lint()
+            self.gm.recompile()
+        return self.report
+
+
+def rewrite_graph(gm: fx.GraphModule, **options: Any) -> RewriteReport:
+    """Rewrite, in place, the convolutions of a Dynamo graph into ``convbias.forward`` (see the module docstring;
+    ``options`` are the backend's without the ``convbias.`` prefix). Returns what was done."""
+    config = _config_from({f"{_OPTION_PREFIX}{k}": v for k, v in options.items()})
+    report = _Rewriter(gm, config).run()
+    reports.append(report)
+    return report
+
+
+def convbias_backend(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None, options: dict[str, Any] | None = None
+) -> Callable[..., Any]:
+    """The ``convbias`` torch.compile backend: :func:`rewrite_graph`, then Inductor with ``mode`` and ``options``
+    (the ``convbias.*`` options are this backend's, see the module docstring)."""
+    options = dict(options or {})
+    ours = {key: options.pop(key) for key in list(options) if key.startswith(_OPTION_PREFIX)}
+    config = _config_from(ours)
+    report = _Rewriter(gm, config).run()
+    reports.append(report)
+    if config.inner == "inductor":
+        return torch._TorchCompileInductorWrapper(mode, options, None)(gm, list(example_inputs))
+    if mode is not None or options:
+        raise ValueError(f"convbias backend: `mode` and Inductor `options` need convbias.inner='inductor', got {config.inner!r}")
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend(config.inner)(gm, list(example_inputs))  # type: ignore[arg-type]
+
+
+def compile(model: Any = None, **kwargs: Any) -> Any:
+    """``torch.compile(model, backend="convbias", **kwargs)``: ``fullgraph``, ``dynamic``, ``mode``, ``options``
+    (Inductor's, plus the ``convbias.*`` ones) as torch.compile takes them."""
+    if "backend" in kwargs:
+        raise ValueError("torch_convbias.compile: the backend is convbias; use torch.compile for another one")
+    return torch.compile(model, backend="convbias", **kwargs) if model is not None else torch.compile(backend="convbias", **kwargs)
+
+
+def _register() -> None:
+    """Register the backend under "convbias" unless the installed package's entry point will (registering twice
+    would fail when Dynamo loads the entry point after this module was imported through it)."""
+    from importlib.metadata import entry_points
+
+    from torch._dynamo.backends import registry
+
+    if "convbias" in registry._COMPILER_FNS:
+        return
+    if registry._BACKENDS.get("convbias") is not None:
+        return  # a discovered entry point: Dynamo loads and registers it
+    if "convbias" in entry_points(group="torch_dynamo_backends").names:
+        return
+    registry.register_backend(convbias_backend, name="convbias")
+
+
+_register()
