@@ -140,6 +140,10 @@ def measure(name: str, phase: str, mode: common.Mode, args: argparse.Namespace) 
     batch = train_batch if phase == "train" else infer_batch
     if args.device == "cpu":
         batch, side = 2, min(side, 32)
+    # Every variant compiles the same forward code objects (the model class's, nn.Sequential's): without a reset per
+    # row, Dynamo's recompile limit would leave later rows' compiled variants silently running eagerly.
+    torch._dynamo.reset()
+    torch_convbias.compiler.reports.clear()
     torch.manual_seed(args.seed)
     model = build(name).to(device=args.device, dtype=mode.dtype, memory_format=torch.channels_last)
     if phase == "infer":
@@ -180,6 +184,8 @@ def measure(name: str, phase: str, mode: common.Mode, args: argparse.Namespace) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # A row compiles up to four variants of one model, each possibly in two grad modes: room for all of them.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     parser = argparse.ArgumentParser(prog="python -m bench.bench_models", description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=lambda s: s.split(","), default=["vgg11", "alexnet", "resnet50"])
     parser.add_argument("--phases", type=lambda s: s.split(","), default=["train", "infer"])

@@ -43,8 +43,9 @@ class Recorder:
 
     def ops(self, name: str = "forward") -> list[torch.fx.Node]:
         """The convbias op nodes of every graph recorded."""
-        target = getattr(torch.ops.convbias, name).default
-        return [n for gm in self.graphs for n in gm.graph.nodes if n.op == "call_function" and n.target == target]
+        packet = getattr(torch.ops.convbias, name)
+        targets = (packet, packet.default)  # Dynamo records a ConvBias2d's call by the packet
+        return [n for gm in self.graphs for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
 
     def conv2d_nodes(self) -> list[torch.fx.Node]:
         return [n for gm in self.graphs for n in gm.graph.nodes if n.op == "call_function" and n.target in (torch.conv2d, torch.nn.functional.conv2d)]
@@ -60,6 +61,7 @@ def compile_recorded(model: nn.Module, devices: tuple[str, ...] = ("cpu", "cuda"
 def check_against_float64(model: nn.Module, compiled: Any, x: torch.Tensor, *, grads: bool = True, tol: float = 1e-4) -> None:
     """Forward and (with ``grads``) every parameter and input gradient of ``compiled`` equal the float64 eager run
     of a copy of ``model``."""
+    model.zero_grad(set_to_none=True)
     reference = copy.deepcopy(model).double()
     x64 = x.detach().double().requires_grad_(grads)
     x32 = x.detach().clone().requires_grad_(grads)

@@ -35,8 +35,11 @@ class ConvBias2d(nn.Conv2d):
         self.negative_slope = float(negative_slope)
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # Modules made (or pickled) before the activation existed have none.
-        act = getattr(self, "activation", "identity"), getattr(self, "negative_slope", 0.01)
+        # Modules made (or pickled) before the activation existed have none. The slope is read only where it counts:
+        # under torch.compile(dynamic=True) a float attribute of a user module is traced as a symbolic float, which
+        # Dynamo then specializes by restarting the whole frame's analysis (a second compilation of every graph).
+        activation = getattr(self, "activation", "identity")
+        act = activation, (self.negative_slope if activation == "leaky_relu" else 0.01)
         if self.padding_mode != "zeros":
             padded = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             return conv_bias2d(padded, weight, bias, self.stride, 0, self.dilation, self.groups, *act)
