@@ -197,3 +197,26 @@ def test_bias_bandwidth_verdict() -> None:
     assert summarize([row(big, 0.79)])["bias_stream_fraction_ours_min_large"] == pytest.approx(0.81)
     assert summarize([row(small, 0.9)])["target_bias_bw_pass"] is None
     assert bench_param_grad.grad_output_bytes(big, torch.bfloat16) == 256 * 256 * 56 * 56 * 2
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_layerwise_activation_block_with_compiled_sides(
+    activation: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--activation: conv + bias + activation, the nn side a Sequential, both compiled sides timed, the headline
+    against compiled nn, numerics against float64 (the activation included). One small shape: Inductor compiles
+    each side on the CPU."""
+    monkeypatch.setattr(harness, "QUICK_SUITE", harness.QUICK_SUITE[:1])
+    assert bench_layerwise.main([*FAST, "--modes", "fp32", "--activation", activation, "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob(f"layerwise_{activation}-*.json")
+    results = json.loads(path.read_text())
+    assert results["config"]["activation"] == activation
+    (row,) = results["rows"]
+    assert row["status"] == "ok", (row["error"], row["variant_errors"])
+    assert set(row["timings"]) == set(bench_layerwise.ACTIVATION_VARIANTS)
+    assert row["numerics"]["passed"], row["numerics"]
+    assert row["speedup_vs_compiled"] > 0 and row["speedup_vs_best"] > 0
+    assert set(row["back_to_back"]) == {"ours_step", "torch_step", "ours_compiled_step", "torch_compiled_step"}
+    (summary,) = results["summaries"]
+    expected_target = bench_layerwise.ACTIVATION_TARGETS["fp32"] if activation == "relu" else None
+    assert summary["target_geomean_speedup_vs_compiled"] == expected_target

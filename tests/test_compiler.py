@@ -359,3 +359,41 @@ def test_cpu_models_are_untouched_by_default() -> None:
     torch._dynamo.reset()
     torch.compile(model, backend="convbias", options={"convbias.inner": "aot_eager"})(torch.randn(1, 3, 6, 6))
     assert compiler.reports[-1].count() == 0
+
+
+def test_rewrites_and_skips_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """The log TORCH_CONVBIAS_COMPILE_LOG=1 prints (logger torch_convbias.compile): each rewrite, each skip with why."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3, bias=False))
+    with caplog.at_level("INFO", logger="torch_convbias.compile"):
+        compiled, _ = compile_recorded(model)
+        compiled(torch.randn(1, 3, 8, 8))
+    messages = [r.getMessage() for r in caplog.records if r.name == "torch_convbias.compile"]
+    assert any("into convbias.forward (activation relu)" in m for m in messages), messages
+    assert any("no bias, batch norm or activation to fuse" in m for m in messages), messages
+
+
+def test_log_switch_in_a_fresh_process() -> None:
+    script = (
+        "import torch, torch_convbias\n"
+        "m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.SiLU())\n"
+        "opts = {'convbias.devices': ('cpu', 'cuda'), 'convbias.inner': 'aot_eager'}\n"
+        "torch.compile(m, backend='convbias', options=opts)(torch.randn(1, 3, 6, 6))\n"
+    )
+    env = {**__import__("os").environ, "TORCH_CONVBIAS_COMPILE_LOG": "1"}
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[torch_convbias.compile] rewrote" in result.stderr and "activation silu" in result.stderr
+
+
+def test_autocast_region_is_rewritten_and_matches_eager_autocast() -> None:
+    """Under CPU autocast (bfloat16) the rewritten op casts as nn.Conv2d does: same dtype, close values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    x = torch.randn(2, 3, 8, 8)
+    compiled, recorder = compile_recorded(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+        actual = compiled(x)
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(actual, expected, rtol=3e-2, atol=3e-2)
+    assert [n.args[7] for n in recorder.ops()] == ["relu", "identity"]
