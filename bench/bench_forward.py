@@ -12,6 +12,15 @@ torch_nchw          ``nn.Conv2d`` on NCHW
 torch_conv_only     ``F.conv2d`` without bias, channels_last: PyTorch's cuDNN conv alone
 ==================  ============================================================================
 
+With ``--activation NAME`` (relu, gelu, silu, ...; issue 13) the block is conv + bias + activation, channels_last,
+and the sides are ``ours`` (``ConvBias2d(activation=NAME)``), ``ours_compiled`` (the same under ``torch.compile``),
+``torch_eager`` (``nn.Sequential(nn.Conv2d, activation module)``), ``torch_compiled`` (the same under
+``torch.compile``: Inductor fuses the bias add with the activation) and, for relu, ``torch_cudnn_relu``
+(``torch.cudnn_convolution_relu``, PyTorch's forward-only fused op on the legacy cuDNN API, what an inference user
+might pick). Headline ``speedup_vs_compiled = torch_compiled / ours`` (targets, ReLU: >= 1.5 bf16, >= 1.3 tf32,
+>= 1.1 fp32); every side is also timed back to back and CUDA-graphed (``graphed_*``: the GPU work alone). Results go
+to ``forward_<activation>-<gpu>.json``.
+
 Before timing, the first (cold) call of ``ours_cl`` is timed after clearing the plan cache, and its output is
 checked against ``torch_cl``. Results go to JSON (and optionally a PNG). Run from the repository root:
 ``python -m bench.bench_forward``.
@@ -19,7 +28,10 @@ checked against ``torch_cl``. Results go to JSON (and optionally a PNG). Run fro
 
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,7 +44,7 @@ from torch import nn
 import torch_convbias
 
 from . import harness
-from .common import Mode, check_against_float64, fmt, short_error
+from .common import ACTIVATION_MODULES, Mode, capture_replay, check_against_float64, fmt, short_error
 
 # The suite lives in the shared driver; these names stay importable from here.
 from .harness import CPU_BATCH, CPU_MAX_HW, QUICK_SUITE, SUITE, Shape  # noqa: F401
@@ -278,9 +290,151 @@ SPEC = harness.Spec(
 )
 
 
+# --------------------------------------------------------------------------------------------------------------
+# conv + bias + activation (--activation)
+
+ACTIVATION_TARGETS: dict[str, float] = {"bf16": 1.5, "tf32": 1.3, "fp32": 1.1}  # ReLU, vs compiled nn
+
+ACTIVATION_VARIANTS: dict[str, str] = {
+    "ours": "ConvBias2d(activation=...), module and input channels_last",
+    "ours_compiled": "torch.compile of the same module (default mode)",
+    "torch_eager": "nn.Sequential(nn.Conv2d, activation module), channels_last (same parameters)",
+    "torch_compiled": "torch.compile of the same Sequential (default mode: bias add and activation fused by Inductor)",
+    "torch_cudnn_relu": "relu only: torch.cudnn_convolution_relu(x, w, b, ...), PyTorch's legacy fused cuDNN op",
+}
+
+ACTIVATION_RATIOS: dict[str, tuple[str, str]] = {
+    "speedup_vs_compiled": ("torch_compiled", "ours"),
+    "speedup": ("torch_eager", "ours"),
+    "vs_cudnn_relu": ("torch_cudnn_relu", "ours"),
+    "ours_compiled_vs_compiled": ("torch_compiled", "ours_compiled"),
+}
+
+GRAPHED_RATIOS: dict[str, tuple[str, str]] = {
+    "graphed_vs_compiled": ("torch_compiled", "ours"),
+    "graphed_speedup": ("torch_eager", "ours"),
+    "graphed_vs_cudnn_relu": ("torch_cudnn_relu", "ours"),
+}
+
+
+def activation_variants(problem: Problem, activation: str) -> dict[str, Callable[[], torch.Tensor]]:
+    """The sides of the conv + bias + activation block, on the problem's channels_last tensors and parameters."""
+    ours = torch_convbias.ConvBias2d.from_conv(problem.conv_cl, activation=activation)
+    theirs = nn.Sequential(problem.conv_cl, ACTIVATION_MODULES[activation]())
+    ours_compiled, theirs_compiled = torch.compile(ours), torch.compile(theirs)
+    x = problem.x_cl
+    variants: dict[str, Callable[[], torch.Tensor]] = {
+        "ours": lambda: ours(x),
+        "ours_compiled": lambda: ours_compiled(x),
+        "torch_eager": lambda: theirs(x),
+        "torch_compiled": lambda: theirs_compiled(x),
+    }
+    if activation == "relu" and x.is_cuda:
+        args = (problem.stride, problem.padding, problem.dilation, 1)
+        variants["torch_cudnn_relu"] = lambda: torch.cudnn_convolution_relu(x, problem.w_cl, problem.bias, *args)
+    return variants
+
+
+def measure_activation(
+    shape: Shape, mode: Mode, device: str, warmup: int, iters: int, seed: int, activation: str
+) -> dict[str, Any]:
+    """One (shape, mode) of the activation block: numerics of every side against float64, then per-call timings
+    side by side, back to back, and CUDA-graphed."""
+    torch._dynamo.reset()  # every row compiles the same module classes: a fresh recompile budget
+    problem = make_problem(shape, mode, device, seed)
+    variants = activation_variants(problem, activation)
+    errors: dict[str, str] = {}
+    args = (problem.stride, problem.padding, problem.dilation, 1)
+    reference = ACTIVATION_MODULES[activation]()(
+        F.conv2d(problem.x_nchw.double(), problem.w_nchw.double(), problem.bias.double(), *args)
+    )
+    outputs: dict[str, torch.Tensor] = {}
+    for name, fn in variants.items():
+        try:
+            outputs[name] = fn()
+        except Exception as error:  # noqa: BLE001 - recorded; the other sides still run
+            errors[name] = short_error(error)
+    numerics = harness.check_all({n: check_against_float64(out, reference, mode) for n, out in outputs.items()})
+    del outputs
+    timings = harness.time_variants(variants, errors, warmup, iters, device, called=list(variants))
+    rates = harness.time_throughput(variants, errors, device)
+    graphed: dict[str, Callable[[], Any]] = {}
+    graph_errors: dict[str, str] = {}
+    if torch.device(device).type == "cuda":
+        for name, fn in variants.items():
+            if name in errors:
+                continue
+            try:
+                graphed[name] = capture_replay(fn)
+            except Exception as error:  # noqa: BLE001 - recorded: the eager figures still stand
+                graph_errors[name] = short_error(error)
+                torch.cuda.synchronize()
+    graphed_timings = harness.time_throughput(graphed, {}, device) if graphed else {}
+    spec = forward_activation_spec(activation)
+    return {
+        "status": "partial" if errors else "ok",
+        "error": None,
+        "variant_errors": errors,
+        "timings": timings,
+        **harness.ratios(spec, timings),
+        "back_to_back": rates,
+        "vs_compiled_back_to_back": harness.ratio(rates, "torch_compiled", "ours"),
+        "graphed": graphed_timings,
+        **{name: harness.ratio(graphed_timings, num, den) for name, (num, den) in GRAPHED_RATIOS.items()},
+        "graph_error": "; ".join(f"{k}: {v}" for k, v in graph_errors.items()) or None,
+        "numerics": numerics,
+    }
+
+
+@functools.cache
+def forward_activation_spec(activation: str) -> harness.Spec:
+    return dataclasses.replace(
+        SPEC,
+        name=f"{NAME}_{activation}",
+        schema="torch_convbias.bench_forward_activation/1",
+        variants=ACTIVATION_VARIANTS,
+        ratios=ACTIVATION_RATIOS,
+        headline="speedup_vs_compiled",
+        targets=ACTIVATION_TARGETS if activation == "relu" else {},
+        row_fields=("back_to_back", "vs_compiled_back_to_back", "graphed", *GRAPHED_RATIOS, "graph_error", "numerics"),
+        table=[
+            ("shape", "label", ""),
+            ("ours", "ours", ".3f"),
+            ("torch_comp", "torch_compiled", ".3f"),
+            ("vs_comp", "speedup_vs_compiled", ".2f"),
+            ("speedup", "speedup", ".2f"),
+            ("vs_cudnn_relu", "vs_cudnn_relu", ".2f"),
+            ("b2b_vs_comp", "vs_compiled_back_to_back", ".2f"),
+            ("graphed_vs_comp", "graphed_vs_compiled", ".2f"),
+            *harness.VERDICT_COLUMNS,
+        ],
+        legend=f"conv + bias + {activation}, channels_last; vs_comp: torch_compiled / ours (> 1: ours faster)",
+        config={"activation": activation, "compiled": "torch.compile default mode"},
+        headline_definition=f"speedup = compiled nn.Conv2d + {activation} / ours",
+        ylabel=f"speedup vs compiled nn.Conv2d + {activation}",
+        display_extra=None,
+        describe_ratios=None,
+        summarize_extra=lambda rows: {
+            **harness.ratio_summary(rows, "vs_compiled_back_to_back"),
+            **harness.ratio_summary(rows, "graphed_vs_compiled"),
+        },
+        describe_extra=lambda summary: (
+            harness.describe_ratio_summary(summary, "vs_compiled_back_to_back", "back to back, vs compiled nn")
+            + f"\n{'':>15}"
+            + harness.describe_ratio_summary(summary, "graphed_vs_compiled", "CUDA-graphed, vs compiled nn")
+        ),
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns the exit status (0 also when targets are missed: that is a result)."""
-    return harness.run(SPEC, harness.parse_args(SPEC, argv), measure)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--activation", choices=["identity", *ACTIVATION_MODULES], default="identity")
+    known, rest = pre.parse_known_args(argv)
+    if known.activation == "identity":
+        return harness.run(SPEC, harness.parse_args(SPEC, rest), measure)
+    spec = forward_activation_spec(known.activation)
+    return harness.run(spec, harness.parse_args(spec, rest), functools.partial(measure_activation, activation=known.activation))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ from torch import nn
 import torch_convbias
 
 from . import harness
-from .common import Mode, check_against_float64, fmt, geomean, short_error
+from .common import ACTIVATION_MODULES, Mode, check_against_float64, fmt, geomean, short_error
 
 NAME = "layerwise"
 SCHEMA = "torch_convbias.bench_layerwise/1"
@@ -141,18 +141,6 @@ class Layer:
     def step(self) -> None:
         self.backward()
         self.update()
-
-
-# The activation modules of the baseline, by the op's activation names.
-ACTIVATION_MODULES: dict[str, Callable[[], nn.Module]] = {
-    "relu": nn.ReLU,
-    "leaky_relu": lambda: nn.LeakyReLU(0.01),
-    "gelu": nn.GELU,
-    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
-    "silu": nn.SiLU,
-    "sigmoid": nn.Sigmoid,
-    "tanh": nn.Tanh,
-}
 
 
 def conv_of(module: nn.Module) -> nn.Conv2d:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -117,6 +118,18 @@ def environment() -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------------------------
 # Numeric modes
+
+
+# The activation modules of the baseline, by the op's activation names.
+ACTIVATION_MODULES: dict[str, Callable[[], nn.Module]] = {
+    "relu": nn.ReLU,
+    "leaky_relu": lambda: nn.LeakyReLU(0.01),
+    "gelu": nn.GELU,
+    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
+    "silu": nn.SiLU,
+    "sigmoid": nn.Sigmoid,
+    "tanh": nn.Tanh,
+}
 
 
 @dataclass(frozen=True)
@@ -340,6 +353,21 @@ def back_to_back_ms(step: Callable[[], Any], repeat: int, device: str) -> float:
     for _ in range(repeat):
         step()
     return (time.perf_counter() - begin) * 1e3 / repeat
+
+
+def capture_replay(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` captured once in a CUDA graph (after three calls on a side stream, PyTorch's capture recipe); returns
+    the graph's replay: the GPU work of ``fn`` alone, without the host time of launching it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def time_cuda(

@@ -185,3 +185,21 @@ def test_numerics_check_fails_a_forward_that_dropped_the_bias() -> None:
             dropped = problem.ours(problem.x_cl, problem.w_cl, None)
             bad = bench_forward.check_outputs({**outputs, "ours_cl": dropped}, expected, mode)
         assert not bad["passed"] and "ours_cl" in bad["message"], (name, bad)
+
+
+def test_forward_activation_block_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--activation relu: ours, ours compiled, nn eager and nn compiled side by side (torch.cudnn_convolution_relu
+    joins with --device cuda), each checked against float64 relu(conv), the headline against compiled nn."""
+    from bench import harness
+
+    monkeypatch.setattr(harness, "QUICK_SUITE", harness.QUICK_SUITE[:1])
+    assert bench_forward.main([*FAST, "--modes", "fp32", "--activation", "relu", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("forward_relu-*.json")
+    results = json.loads(path.read_text())
+    (row,) = results["rows"]
+    assert row["status"] == "ok", row["variant_errors"]
+    expected = set(bench_forward.ACTIVATION_VARIANTS) - {"torch_cudnn_relu"}  # a CUDA op: not on --device cpu
+    assert set(row["timings"]) == expected == set(row["numerics"]["checks"])
+    assert row["numerics"]["passed"] and row["speedup_vs_compiled"] > 0 and row["vs_compiled_back_to_back"] > 0
+    (summary,) = results["summaries"]
+    assert summary["target_geomean_speedup_vs_compiled"] == bench_forward.ACTIVATION_TARGETS["fp32"]
