@@ -9,7 +9,8 @@
 #                    the demo on cuda (bench), or both (all), or compute-sanitizer's memcheck, racecheck and synccheck
 #                    over bench/sanitize_workload.py (sanitize); logs and results into DIR (`./dev.sh gpu $OUT tests`);
 #                    BENCHES="param_grad bias_grad" picks benchmarks (forward param_grad layerwise bias_grad
-#                    overhead demo; also stress_memory and cold_start, not in the default list)
+#                    overhead demo; also stress_memory, cold_start, models and the activation blocks forward_<act>
+#                    and layerwise_<act>, e.g. forward_relu layerwise_gelu, not in the default list)
 #
 # setup installs only what is missing: on a fresh CPU machine with PyPI, torch 2.14.1, pytest, scikit-learn,
 # cmake and the cuDNN frontend headers; on a machine that already has them (a GPU box without network, with
@@ -69,6 +70,11 @@ case "${1:-}" in
           forward|param_grad|layerwise)
             "$PYTHON" -m "bench.bench_$name" --plot --out "$out" > "/tmp/bench_$name.log" 2>&1 || status=1
             grep -A12 "summary" "/tmp/bench_$name.log" | grep -v "^plot\|^results" | head -14 ;;
+          forward_*|layerwise_*)  # forward_relu, layerwise_gelu, ...: the conv + bias + activation block
+            "$PYTHON" -m "bench.bench_${name%%_*}" --activation "${name#*_}" --out "$out" > "/tmp/bench_$name.log" 2>&1 || status=1
+            grep -A8 "summary" "/tmp/bench_$name.log" | head -10 ;;
+          models) "$PYTHON" -m bench.bench_models --out "$out" > /tmp/bench_models.log 2>&1 || status=1
+            grep -E "^(vgg11|alexnet|resnet50)" /tmp/bench_models.log ;;
           bias_grad|overhead) "$PYTHON" -m "bench.bench_$name" --out "$out" 2>&1 | tail -6 || status=1 ;;
           cold_start) "$PYTHON" -m bench.bench_cold_start --out "$out" 2>&1 | tail -14 || status=1 ;;
           stress_memory) TORCH_CONVBIAS_CACHE_SIZE=${TORCH_CONVBIAS_CACHE_SIZE:-64} "$PYTHON" -m bench.stress_memory --out "$out" 2>&1 | tail -4 || status=1 ;;
