@@ -338,6 +338,32 @@ def test_cuda_training_step_matches_eager(dtype: torch.dtype) -> None:
 
 
 @cuda
+def test_cuda_training_under_reduce_overhead_and_dynamic_batch() -> None:
+    """CUDA graphs (mode="reduce-overhead") over the rewritten training step, and a dynamic batch: every step's
+    parameter gradients equal eager nn.Conv2d's (strict fp32)."""
+    torch.manual_seed(0)
+    model = activation_stack().cuda().to(memory_format=torch.channels_last)
+    twin = copy.deepcopy(model)
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        for mode, dynamic in (("reduce-overhead", False), (None, True)):
+            torch._dynamo.reset()
+            compiled = torch.compile(twin, backend="convbias", mode=mode, dynamic=dynamic)
+            for batch in (4, 4, 4, 6, 6):
+                x = torch.randn(batch, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last)
+                model.zero_grad(set_to_none=True)
+                twin.zero_grad(set_to_none=True)
+                model(x).square().sum().backward()
+                compiled(x).square().sum().backward()
+                for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+                    torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-3 * max(1.0, p.grad.abs().max().item()), msg=name)
+            assert compiler.reports[-1].count() == 8
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+
+
+@cuda
 def test_cuda_inference_folds_batchnorm_under_reduce_overhead() -> None:
     torch.manual_seed(0)
     model = residual_net().cuda().eval().to(memory_format=torch.channels_last)
