@@ -7,7 +7,7 @@ Public API:
 * :func:`conv_bias2d` (``torch_convbias.functional``): ``F.conv2d``'s signature;
 * :class:`ConvBias2d`: a drop-in ``nn.Conv2d``; :func:`convert` swaps a model's ``nn.Conv2d`` layers;
 * :class:`ConvBiasFunction`: the same forward/backward as an ``autograd.Function``;
-* :func:`explain`, :func:`explain_param_grad`, :func:`cache_info`, :func:`cache_clear`, :func:`versions`; ``python -m torch_convbias.doctor``.
+* :func:`explain`, :func:`explain_param_grad`, :func:`explain_activation_backward`, :func:`cache_info`, :func:`cache_clear`, :func:`versions`; ``python -m torch_convbias.doctor``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,14 @@ except (ImportError, OSError) as error:  # pragma: no cover - only when the exte
 
 from . import diagnostics, functional, ops  # noqa: E402  (ops registers fake kernels and autograd)
 from .autograd import ConvBiasFunction  # noqa: E402
-from .diagnostics import cache_clear, cache_info, explain, explain_param_grad, versions  # noqa: E402
+from .diagnostics import (  # noqa: E402
+    cache_clear,
+    cache_info,
+    explain,
+    explain_activation_backward,
+    explain_param_grad,
+    versions,
+)
 from .functional import conv_bias2d  # noqa: E402
 from .nn import ConvBias2d, convert  # noqa: E402
 
@@ -43,6 +50,7 @@ __all__ = [
     "convert",
     "diagnostics",
     "explain",
+    "explain_activation_backward",
     "explain_param_grad",
     "functional",
     "ops",
