@@ -6,6 +6,10 @@ errors alike in eager and fake mode; opcheck; and the double-backward refusal.""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -176,7 +180,7 @@ def test_fused_kernel_is_deterministic_on_cuda(name: str, dtype_name: str, bench
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_fused_kernel_agrees_with_the_aten_way_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_kernel_agrees_with_the_aten_way_on_cuda() -> None:
     """The fused pass against ATen's pointwise backward then the bias kernel (the way before it), on the same tensors:
     grad_z within the derivative's rounding (formulas as ATen's), grad_bias close."""
     for name in ("relu", "leaky_relu", "leaky_relu_negative", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh"):
@@ -191,9 +195,6 @@ def test_fused_kernel_agrees_with_the_aten_way_on_cuda(monkeypatch: pytest.Monke
 def test_bias_grad_knob_turns_the_fused_kernel_off() -> None:
     """TORCH_CONVBIAS_BIAS_GRAD names the bias gradient's way; anything but the kernel runs ATen (in a subprocess:
     the knobs are read once)."""
-    import subprocess
-    import sys
-
     code = (
         "import torch, torch_convbias\n"
         "g = torch.randn(2, 16, 4, 4, device='cuda').contiguous(memory_format=torch.channels_last)\n"
@@ -201,7 +202,7 @@ def test_bias_grad_knob_turns_the_fused_kernel_off() -> None:
         "assert info['way'] == 'aten' and info['notes'] == ['TORCH_CONVBIAS_BIAS_GRAD=aten'], info\n"
         "assert info['bias_grad']['way'] == 'aten', info\n"
     )
-    env = {**__import__("os").environ, "TORCH_CONVBIAS_BIAS_GRAD": "aten"}
+    env = {**os.environ, "TORCH_CONVBIAS_BIAS_GRAD": "aten"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
