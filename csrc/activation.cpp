@@ -1,5 +1,7 @@
 #include "activation.h"
 
+#include "conv_args.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -51,6 +53,10 @@ const char* activation_name(Activation kind) {
     }
   }
   return "?";
+}
+
+const char* derivative_source_name(const ActivationSpec& a) {
+  return a.is_identity() ? "nothing" : a.backward_from_output() ? "output" : "pre-activation";
 }
 
 ActivationSpec parse_activation(const char* op, c10::string_view name, double negative_slope) {
@@ -111,6 +117,27 @@ at::Tensor activation_backward(const at::Tensor& grad_output, const at::Tensor& 
     case Activation::Tanh: return at::tanh_backward(grad_output, saved);
   }
   return grad_output;
+}
+
+void activation_backward_out(
+    at::Tensor& grad_z, const at::Tensor& grad_output, const at::Tensor& saved, const ActivationSpec& a) {
+  switch (a.kind) {
+    case Activation::Identity: grad_z.copy_(grad_output); return;
+    case Activation::Relu: at::threshold_backward_out(grad_z, grad_output, saved, 0); return;
+    case Activation::LeakyRelu:
+      at::leaky_relu_backward_out(grad_z, grad_output, saved, a.negative_slope, a.backward_from_output());
+      return;
+    case Activation::Gelu: at::gelu_backward_out(grad_z, grad_output, saved, "none"); return;
+    case Activation::GeluTanh: at::gelu_backward_out(grad_z, grad_output, saved, "tanh"); return;
+    case Activation::Silu: at::silu_backward_out(grad_z, grad_output, saved); return;
+    case Activation::Sigmoid: at::sigmoid_backward_out(grad_z, grad_output, saved); return;
+    case Activation::Tanh: at::tanh_backward_out(grad_z, grad_output, saved); return;
+  }
+}
+
+at::MemoryFormat activation_grad_memory_format(const at::Tensor& grad_output, const at::Tensor& saved) {
+  constexpr auto cl = at::MemoryFormat::ChannelsLast;
+  return memory_format_of(grad_output) == cl || memory_format_of(saved) == cl ? cl : at::MemoryFormat::Contiguous;
 }
 
 } // namespace convbias

@@ -1,11 +1,20 @@
 // The activation applied to conv + bias by convbias::forward (its `activation` argument): parsing and checking the
 // name, applying it, and its derivative for the backward. Shared by the CPU and CUDA kernels and the autograd.
 //
-// What the backward keeps (the cheapest tensor the derivative can be computed from):
-//   identity               nothing
-//   relu, sigmoid, tanh    the output
-//   leaky_relu             the output when negative_slope >= 0 (its sign is the input's), else the pre-activation
-//   gelu, gelu_tanh, silu  the pre-activation
+// What the backward keeps (the cheapest tensor the derivative can be computed from), for an output of
+// N*K*H*W elements of s bytes (s = 2 in fp16/bf16, 4 in fp32, 8 in fp64), beyond the input (kept only when the
+// weight needs a gradient) and the weight:
+//   identity               nothing                                   0 bytes
+//   relu, sigmoid, tanh    the output                                0 extra bytes: it is the tensor the layer
+//                                                                    returns, which the next layer keeps anyway when
+//                                                                    its own weight needs a gradient (else N*K*H*W*s)
+//   leaky_relu             the output when negative_slope >= 0 (its sign is the input's), as relu; else the
+//                          pre-activation                            N*K*H*W*s
+//   gelu, gelu_tanh, silu  the pre-activation                        N*K*H*W*s
+// The backward then allocates the gradient at the pre-activation, dz (N*K*H*W*s, written once by
+// convbias::_activation_backward together with the bias gradient), plus a few KiB of FP32 partial sums; the weight and
+// input gradients are taken of dz. (A 1-bit mask for relu, N*K*H*W/8 bytes, would be cheaper only where nothing
+// else keeps the output; not built.)
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -35,6 +44,9 @@ ActivationSpec parse_activation(const char* op, c10::string_view name, double ne
 
 const char* activation_name(Activation kind);
 
+// What the derivative is computed from, for explain: "output", "pre-activation" or "nothing" (identity).
+const char* derivative_source_name(const ActivationSpec& activation);
+
 // y = act(y), in place; returns y.
 at::Tensor& apply_activation_(at::Tensor& y, const ActivationSpec& activation);
 
@@ -43,5 +55,17 @@ at::Tensor activation_of(const at::Tensor& z, const ActivationSpec& activation);
 
 // grad_output * act'(z), from `saved`: the output or the pre-activation z, as backward_from_output() says.
 at::Tensor activation_backward(const at::Tensor& grad_output, const at::Tensor& saved, const ActivationSpec& activation);
+
+// activation_backward written into `grad_z` (a tensor of grad_output's shape, dtype and device, in whatever layout):
+// ATen's pointwise backward kernels (threshold_backward, leaky_relu_backward, gelu_backward, silu_backward,
+// sigmoid_backward, tanh_backward), or a copy for identity.
+void activation_backward_out(
+    at::Tensor& grad_z, const at::Tensor& grad_output, const at::Tensor& saved, const ActivationSpec& activation);
+
+// The layout convbias::_activation_backward gives grad_z: channels_last when grad_output or saved suggests
+// channels_last, else contiguous. Normally both have the forward output's layout; grad_output of a reduction
+// (out.sum().backward()) is an expanded tensor with no layout of its own, and then saved's layout keeps the weight
+// gradient on the channels_last path. torch_convbias/ops.py's fake kernel follows the same rule.
+at::MemoryFormat activation_grad_memory_format(const at::Tensor& grad_output, const at::Tensor& saved);
 
 } // namespace convbias

@@ -1,9 +1,12 @@
 // Autograd of the convbias ops, in C++ so that no call pays for Python:
 // - forward: the weight and bias gradients come from convbias::param_grad in one call, the input gradient
 //   (ATen's convolution backward) only when the input requires grad, which it never does in layer-by-layer
-//   training where inputs are detached;
-// - param_grad: not differentiable; when its inputs require grad (create_graph=True through forward) its outputs
-//   get a backward that raises NotImplementedError, rather than silently wrong second-order gradients.
+//   training where inputs are detached. With an activation, convbias::_activation_backward first gives the gradient
+//   at the convolution's output (dz) and, in the same pass, the bias gradient; param_grad then computes the weight
+//   gradient of dz alone;
+// - param_grad and _activation_backward: not differentiable; when their inputs require grad (create_graph=True
+//   through forward) their outputs get a backward that raises NotImplementedError, rather than silently wrong
+//   second-order gradients.
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -40,6 +43,22 @@ at::Tensor input_gradient(
 // kernel is launched for it).
 at::Tensor input_stand_in(const at::Tensor& input) {
   return at::empty({}, input.options()).expand_symint(input.sym_sizes());
+}
+
+using ActivationBackwardResult = std::tuple<at::Tensor, std::optional<at::Tensor>>;
+
+// convbias::_activation_backward through the dispatcher (its autograd, then the device's kernel).
+ActivationBackwardResult activation_backward_call(
+    const at::Tensor& grad_output,
+    const at::Tensor& saved,
+    c10::string_view activation,
+    double negative_slope,
+    bool bias_grad) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("convbias::_activation_backward", "")
+                             .typed<ActivationBackwardResult(
+                                 const at::Tensor&, const at::Tensor&, c10::string_view, double, bool)>();
+  return op.call(grad_output, saved, activation, negative_slope, bias_grad);
 }
 
 class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
@@ -84,11 +103,9 @@ class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& input = saved[0];
     const at::Tensor& weight = saved[1];
-    const ActivationSpec spec = parse_activation(
-        "convbias.forward", ctx->saved_data["activation"].toStringRef(), ctx->saved_data["negative_slope"].toDouble());
-    // The gradient at the convolution's output (the activation's derivative applied): what the parameter and input
-    // gradients are taken of.
-    const at::Tensor grad_output = activation_backward(grad_outputs[0], saved[2], spec);
+    const std::string& activation = ctx->saved_data["activation"].toStringRef();
+    const double negative_slope = ctx->saved_data["negative_slope"].toDouble();
+    const ActivationSpec spec = parse_activation("convbias.forward", activation, negative_slope);
     const auto stride = ctx->saved_data["stride"].toSymIntVector();
     const auto padding = ctx->saved_data["padding"].toSymIntVector();
     const auto dilation = ctx->saved_data["dilation"].toSymIntVector();
@@ -99,17 +116,32 @@ class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
     const bool needs_weight = ctx->needs_input_grad(1);
     const bool needs_bias = has_bias && ctx->needs_input_grad(2);
 
+    // The gradient at the convolution's output (the activation's derivative applied): what the parameter and input
+    // gradients are taken of. With an activation, one pass writes it and sums it into the bias gradient.
+    at::Tensor grad_output = grad_outputs[0];
     at::Tensor grad_input, grad_weight, grad_bias;
+    bool bias_done = false;
+    if (!spec.is_identity()) {
+      auto [grad_z, fused_grad_bias] = activation_backward_call(grad_output, saved[2], activation, negative_slope, needs_bias);
+      grad_output = std::move(grad_z);
+      if (fused_grad_bias.has_value()) {
+        grad_bias = std::move(*fused_grad_bias);
+        bias_done = true;
+      }
+    }
     if (needs_input) {
       grad_input = input_gradient(grad_output, input, weight, stride, padding, dilation, groups);
     }
-    if (needs_weight || needs_bias) {
+    const bool param_bias = needs_bias && !bias_done;
+    if (needs_weight || param_bias) {
       // Through the dispatcher: with create_graph=True param_grad's autograd marks the results as not
       // differentiable further; otherwise it goes straight to the kernel.
       auto [w, b] =
-          param_grad_symint(grad_output, input, weight, stride, padding, dilation, groups, {needs_weight, needs_bias});
+          param_grad_symint(grad_output, input, weight, stride, padding, dilation, groups, {needs_weight, param_bias});
       grad_weight = w.value_or(at::Tensor());
-      grad_bias = b.value_or(at::Tensor());
+      if (param_bias) {
+        grad_bias = b.value_or(at::Tensor());
+      }
     }
     // One entry per forward argument; the conv parameters and the activation get none.
     return {grad_input, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
@@ -118,8 +150,9 @@ class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
 };
 
 constexpr const char* kNoDoubleBackward =
-    "convbias: double backward (gradients of convbias.param_grad, e.g. autograd.grad(..., create_graph=True) "
-    "through convbias.forward) is not implemented; use torch.nn.functional.conv2d for higher-order gradients";
+    "convbias: double backward (gradients of convbias.param_grad or convbias._activation_backward, e.g. "
+    "autograd.grad(..., create_graph=True) through convbias.forward) is not implemented; use "
+    "torch.nn.functional.conv2d for higher-order gradients";
 
 // param_grad with autograd history: its outputs (the defined ones, in order) get a backward that refuses to run.
 class ParamGradFunction : public torch::autograd::Function<ParamGradFunction> {
@@ -179,6 +212,49 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_auto
   return {grad_weight, grad_bias};
 }
 
+// _activation_backward with autograd history: its outputs (the defined ones) get a backward that refuses to run.
+class ActivationBackwardFunction : public torch::autograd::Function<ActivationBackwardFunction> {
+ public:
+  static variable_list forward(
+      AutogradContext* /*ctx*/,
+      const at::Tensor& grad_output,
+      const at::Tensor& saved,
+      c10::string_view activation,
+      double negative_slope,
+      bool bias_grad) {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [grad_z, grad_bias] = activation_backward_call(grad_output, saved, activation, negative_slope, bias_grad);
+    variable_list outputs{grad_z};
+    if (grad_bias.has_value()) {
+      outputs.push_back(*grad_bias);
+    }
+    return outputs;
+  }
+
+  static variable_list backward(AutogradContext* /*ctx*/, variable_list /*grad_outputs*/) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, kNoDoubleBackward);
+  }
+};
+
+ActivationBackwardResult activation_backward_autograd(
+    const at::Tensor& grad_output,
+    const at::Tensor& saved,
+    c10::string_view activation,
+    double negative_slope,
+    bool bias_grad) {
+  const bool records = c10::GradMode::is_enabled() && (grad_output.requires_grad() || saved.requires_grad());
+  if (!records) {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return activation_backward_call(grad_output, saved, activation, negative_slope, bias_grad);
+  }
+  variable_list outputs = ActivationBackwardFunction::apply(grad_output, saved, activation, negative_slope, bias_grad);
+  std::optional<at::Tensor> grad_bias;
+  if (bias_grad) {
+    grad_bias = outputs.at(1);
+  }
+  return {outputs.at(0), grad_bias};
+}
+
 at::Tensor forward_autograd(
     const at::Tensor& input,
     const at::Tensor& weight,
@@ -204,6 +280,7 @@ at::Tensor forward_autograd(
 TORCH_LIBRARY_IMPL(convbias, Autograd, m) {
   m.impl("forward", &forward_autograd);
   m.impl("param_grad", &param_grad_autograd);
+  m.impl("_activation_backward", &activation_backward_autograd);
 }
 
 } // namespace convbias

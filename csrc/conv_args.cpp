@@ -157,6 +157,27 @@ ConvParams check_param_grad_args(
   return params;
 }
 
+ActivationSpec check_activation_backward_call(
+    const at::Tensor& grad_output, const at::Tensor& saved, c10::string_view activation, double negative_slope) {
+  constexpr const char* op = "convbias._activation_backward";
+  check_rank4(op, "grad_output", "(N, K, H, W)", grad_output);
+  TORCH_CHECK_TYPE(
+      is_supported_float(grad_output.scalar_type()), op,
+      ": expected `grad_output` to have a floating-point dtype (torch.float16, torch.bfloat16, torch.float32 or "
+      "torch.float64), got ",
+      dtype_name(grad_output.scalar_type()));
+  TORCH_CHECK_TYPE(
+      saved.scalar_type() == grad_output.scalar_type(), op, ": expected `saved` to have the dtype of `grad_output` (",
+      dtype_name(grad_output.scalar_type()), "), got ", dtype_name(saved.scalar_type()));
+  TORCH_CHECK_VALUE(
+      saved.device() == grad_output.device(), op, ": expected `saved` on the device of `grad_output` (",
+      grad_output.device(), "), got ", saved.device());
+  TORCH_CHECK_VALUE(
+      saved.sizes() == grad_output.sizes(), op, ": expected `saved` of the shape of `grad_output` (",
+      grad_output.sizes(), "), got ", saved.sizes());
+  return parse_activation(op, activation, negative_slope);
+}
+
 std::array<int64_t, 4> output_size(const at::Tensor& input, const at::Tensor& weight, const ConvParams& p) {
   std::array<int64_t, 4> out{input.size(0), weight.size(0), 0, 0};
   for (int d = 0; d < 2; ++d) {

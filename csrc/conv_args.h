@@ -57,6 +57,11 @@ ConvParams check_param_grad_args(
     at::IntArrayRef dilation,
     int64_t groups);
 
+// Checks the arguments of convbias::_activation_backward: a 4-D floating-point grad_output, `saved` of its shape,
+// dtype and device, then the activation (parse_activation). Returns the activation.
+ActivationSpec check_activation_backward_call(
+    const at::Tensor& grad_output, const at::Tensor& saved, c10::string_view activation, double negative_slope);
+
 // (N, K, H_out, W_out) of the convolution; arguments must have passed check_forward_args.
 std::array<int64_t, 4> output_size(const at::Tensor& input, const at::Tensor& weight, const ConvParams& params);
 

@@ -15,6 +15,14 @@ TORCH_LIBRARY(convbias, m) {
   m.def(
       "param_grad(Tensor grad_output, Tensor input, Tensor weight, SymInt[2] stride, SymInt[2] padding, "
       "SymInt[2] dilation, SymInt groups, bool[2] output_mask) -> (Tensor? grad_weight, Tensor? grad_bias)");
+  // The backward of forward's activation at the convolution's output, with the bias gradient in the same pass:
+  // grad_z = grad_output * act'(saved) (saved: forward's output or pre-activation, as the activation's backward needs,
+  // csrc/activation.h) in grad_output's dtype, channels_last when grad_output or saved is; grad_bias = grad_z summed
+  // over N, H, W (FP32 accumulation, FP64 for double, rounded once) when bias_grad, else None. One CUDA kernel for
+  // channels_last tensors (csrc/cuda/activation_backward.cu), ATen's pointwise backward and a sum elsewhere.
+  m.def(
+      "_activation_backward(Tensor grad_output, Tensor saved, str activation, float negative_slope, bool bias_grad) "
+      "-> (Tensor grad_z, Tensor? grad_bias)");
   // Diagnostics (torch_convbias.explain, cache_info, cache_clear, versions).
   // The path forward takes for these arguments, as JSON: fused or not, engine, workspace, build time, and
   // why alternatives were rejected. Builds (and caches) the plan if needed, exactly as forward would.
@@ -26,6 +34,11 @@ TORCH_LIBRARY(convbias, m) {
   m.def(
       "_explain_param_grad(Tensor grad_output, Tensor input, Tensor weight, int[2] stride, int[2] padding, "
       "int[2] dilation, int groups) -> str");
+  // The way _activation_backward computes its results for these arguments, as JSON: fused kernel or ATen and why,
+  // the launch configuration, the bias gradient's way.
+  m.def(
+      "_explain_activation_backward(Tensor grad_output, Tensor saved, str activation, float negative_slope, "
+      "bool bias_grad) -> str");
   // The bias gradient one way by name ("kernel": ours; "aten": ATen's sum), for benchmarks and tests (CUDA only).
   m.def("_bias_grad(Tensor grad_output, str way) -> Tensor");
   m.def("_plan_cache_stats() -> str", &convbias::plan_cache_stats);

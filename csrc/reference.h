@@ -30,6 +30,10 @@ at::Tensor forward_reference(
     int64_t groups,
     const ActivationSpec& activation = {});
 
+// grad_output.sum((0, 2, 3)) with FP32 accumulation (FP64 for double), rounded once to grad_output's dtype, as ATen's
+// convolution_backward computes the bias gradient.
+at::Tensor bias_grad_reference(const at::Tensor& grad_output);
+
 std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_reference(
     const at::Tensor& grad_output,
     const at::Tensor& input,

@@ -1,7 +1,9 @@
 """The activation argument of convbias::forward (conv + bias + activation in one call): forward and every gradient
 against nn.Conv2d followed by the activation module (float64 on the CPU: an oracle independent of our kernels),
-for every activation, dtype and layout; the errors, alike in eager and fake mode; what the backward keeps; and
-convert() fusing a Sequential's conv + activation pairs, never one whose modules carry hooks or are shared."""
+for every activation, dtype and layout; the errors, alike in eager and fake mode; what the backward keeps and what
+it calls (one convbias._activation_backward, then the weight gradient; on CUDA the fused kernel, seen by explain
+and the profiler); and convert() fusing a Sequential's conv + activation pairs, never one whose modules carry hooks
+or are shared. The op _activation_backward itself: tests/test_activation_backward.py."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from conftest import HAS_CUDA, MODES, assert_close, math_mode
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_convbias
 from torch_convbias import ConvBias2d, conv_bias2d, convert
@@ -229,3 +232,110 @@ def test_explain_reports_the_activation_on_cuda() -> None:
     assert info["activation"]["fused"] is False and "ATen" in info["activation"]["how"], info
     cpu = json.loads(torch.ops.convbias._explain(x.cpu(), w.cpu(), b.cpu(), [1, 1], [1, 1], [1, 1], 1, "silu", 0.01))
     assert cpu["activation"]["name"] == "silu"
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records the ops that run below autograd (name and arguments), to see what backward actually calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.calls.append((str(func.overloadpacket), args))
+        return func(*args, **(kwargs or {}))
+
+    def named(self, name: str) -> list[tuple]:
+        return [args for op, args in self.calls if op == name]
+
+
+@pytest.mark.parametrize("input_requires_grad", [False, True], ids=["params-only", "with-input"])
+@pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("name", ["identity", "relu", "gelu", "leaky_relu_negative"])
+def test_backward_is_one_activation_backward_call_then_the_weight_gradient(
+    name: str, device: str, input_requires_grad: bool
+) -> None:
+    """With an activation: one convbias._activation_backward call giving the gradient at the convolution's output and
+    the bias gradient, then param_grad for the weight alone, and the input gradient of the same dz only when the input
+    needs one. Identity keeps the path without it (param_grad computes both)."""
+    module, slope = ACTIVATIONS[name]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 8, 6, 6, generator=g).to(device).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, 8, 3, 3, generator=g).div(8).to(device).contiguous(memory_format=torch.channels_last)
+    b = torch.randn(8, generator=g).to(device)
+    x.requires_grad_(input_requires_grad)
+    w.requires_grad_()
+    b.requires_grad_()
+    out = conv_bias2d(x, w, b, padding=1, activation=op_name(name), negative_slope=slope)
+    seed = torch.randn(out.shape, generator=g).to(device)
+    with OpRecorder() as recorder:
+        out.backward(seed)
+    fused = recorder.named("convbias._activation_backward")
+    param_grads = recorder.named("convbias.param_grad")
+    assert len(param_grads) == 1, recorder.calls
+    if name == "identity":
+        assert fused == [] and list(param_grads[0][-1]) == [True, True], recorder.calls
+    else:
+        assert len(fused) == 1 and fused[0][2:] == (op_name(name), slope, True), recorder.calls
+        assert list(param_grads[0][-1]) == [True, False], recorder.calls
+    assert ("aten.convolution_backward" in [op for op, _ in recorder.calls]) == input_requires_grad
+    # And the gradients are nn.Conv2d + the activation module's (float64 on the CPU).
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (x, w, b)]
+    expected = module(F.conv2d(*leaves, padding=1))
+    want = torch.autograd.grad(expected, leaves, seed.cpu().double())
+    for what, got, ref in zip(("input", "weight", "bias"), (x.grad, w.grad, b.grad), want):
+        if what == "input" and not input_requires_grad:
+            assert got is None
+            continue
+        assert_close(got.cpu().double(), ref, MODES["float32"] if device == "cpu" else MODES["tf32"], f"{name} {what}")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode_name", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["relu", "leaky_relu", "leaky_relu_negative", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh"])
+def test_backward_runs_the_fused_kernel_on_cuda(name: str, mode_name: str) -> None:
+    """On channels_last CUDA tensors the layer's backward runs the fused derivative + bias-gradient kernel: explain
+    says so for the tensors the backward sees, the profiler sees the kernel, and the gradients match nn.Conv2d +
+    the activation module."""
+    from torch.profiler import ProfilerActivity, profile
+
+    mode = MODES[mode_name]
+    module, slope = ACTIVATIONS[name]
+    g = torch.Generator().manual_seed(9)
+    x64 = torch.randn(4, 16, 12, 12, generator=g, dtype=torch.float64)
+    w64 = torch.randn(32, 16, 3, 3, generator=g, dtype=torch.float64) / 12
+    b64 = torch.randn(32, generator=g, dtype=torch.float64)
+    x, w, b = (t.to("cuda", mode.dtype) for t in (x64, w64, b64))
+    x, w = (t.contiguous(memory_format=torch.channels_last) for t in (x, w))
+    w.requires_grad_()
+    b.requires_grad_()
+    with math_mode(mode):
+        out = conv_bias2d(x, w, b, padding=1, activation=op_name(name), negative_slope=slope)
+        seed = torch.randn(out.shape, generator=g, dtype=torch.float64).to("cuda", mode.dtype)
+        seed = seed.contiguous(memory_format=torch.channels_last)
+        # What the backward keeps is the output or the pre-activation: the same layout and alignment as `out`.
+        info = torch_convbias.explain_param_grad(
+            seed, x, w, padding=1, activation=op_name(name), negative_slope=slope, saved=out.detach()
+        )
+        assert info["activation_backward"]["way"] == "fused kernel", info
+        assert info["bias_grad"]["way"] == "fused", info
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out.backward(seed)
+            torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("ActivationGradOf" in k for k in kernels), kernels
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (x, w, b)]
+    expected = module(F.conv2d(*leaves, padding=1))
+    want = torch.autograd.grad(expected, leaves[1:], seed.cpu().double())
+    for what, got, ref in zip(("weight", "bias"), (w.grad, b.grad), want):
+        assert_close(got.cpu().double(), ref, mode, f"{name} grad {what}")
+
+
+def test_explain_param_grad_with_an_activation_on_cpu() -> None:
+    x, w = torch.randn(2, 4, 6, 6), torch.randn(8, 4, 3, 3)
+    grad = torch.randn(2, 8, 6, 6)
+    plain = torch_convbias.explain_param_grad(grad, x, w, padding=1)
+    assert "activation_backward" not in plain
+    info = torch_convbias.explain_param_grad(grad, x, w, padding=1, activation="gelu", saved=torch.randn(2, 8, 6, 6))
+    assert info["activation_backward"]["way"] == "aten" and info["activation_backward"]["derivative_from"] == "pre-activation"
+    assert info["bias_grad"]["way"] == "aten" and info["weight_grad"]["path"] == "aten", info

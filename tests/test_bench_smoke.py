@@ -203,3 +203,25 @@ def test_forward_activation_block_cpu(tmp_path: Path, monkeypatch: pytest.Monkey
     assert row["numerics"]["passed"] and row["speedup_vs_compiled"] > 0 and row["vs_compiled_back_to_back"] > 0
     (summary,) = results["summaries"]
     assert summary["target_geomean_speedup_vs_compiled"] == bench_forward.ACTIVATION_TARGETS["fp32"]
+
+
+def test_bias_grad_bench_activation_variants_agree_on_cpu() -> None:
+    """The activation-backward table's variants compute the same thing (the op runs its CPU kernel here; two_pass
+    needs the CUDA bias kernel), and its summary gives a verdict only from large rows."""
+    from bench import bench_bias_grad
+
+    for name, (activation, slope, from_output) in bench_bias_grad.ACTIVATIONS.items():
+        z = torch.randn(2, 8, 3, 3).contiguous(memory_format=torch.channels_last)
+        dy = torch.randn_like(z)
+        saved = torch.ops.convbias.forward(z, torch.eye(8).reshape(8, 8, 1, 1), None, [1, 1], [0, 0], [1, 1], 1,
+                                           activation, slope) if from_output else z
+        fns = bench_bias_grad.activation_variants(dy, saved, name)
+        assert set(fns) == {"fused", "two_pass", "aten", "copy"}
+        fused, aten = fns["fused"](), fns["aten"]()
+        torch.testing.assert_close(fused[0], aten[0], msg=name)
+        torch.testing.assert_close(fused[1], aten[1], msg=name)
+    row = {"large": True, "fused_way": "fused kernel", "fused_vs_copy_stream": 0.9,
+           **{f"{v}{s}_fraction": 0.85 for v in bench_bias_grad.ACTIVATION_VARIANTS for s in ("", "_stream")}}
+    summary = bench_bias_grad.activation_summary([row, {**row, "large": False, "fused_stream_fraction": 0.1}])
+    assert summary["target_pass"] is True and summary["fused_min_stream_fraction_large"] == 0.85
+    assert summary["fused_ran_everywhere"] is True and summary["fused_vs_copy_stream_min_large"] == 0.9

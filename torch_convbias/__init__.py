@@ -9,7 +9,7 @@ Public API:
 * :class:`ConvBiasFunction`: the same forward/backward as an ``autograd.Function``;
 * ``torch.compile(model, backend="convbias")`` / :func:`compile`: unmodified nn.Conv2d models rewritten into the op
   (``torch_convbias.compiler``);
-* :func:`explain`, :func:`explain_param_grad`, :func:`cache_info`, :func:`cache_clear`, :func:`versions`; ``python -m torch_convbias.doctor``.
+* :func:`explain`, :func:`explain_param_grad`, :func:`explain_activation_backward`, :func:`cache_info`, :func:`cache_clear`, :func:`versions`; ``python -m torch_convbias.doctor``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,14 @@ from . import diagnostics, functional, ops  # noqa: E402  (ops registers fake ke
 from . import compiler  # noqa: E402  (registers the "convbias" torch.compile backend)
 from .autograd import ConvBiasFunction  # noqa: E402
 from .compiler import compile  # noqa: E402
-from .diagnostics import cache_clear, cache_info, explain, explain_param_grad, versions  # noqa: E402
+from .diagnostics import (  # noqa: E402
+    cache_clear,
+    cache_info,
+    explain,
+    explain_activation_backward,
+    explain_param_grad,
+    versions,
+)
 from .functional import conv_bias2d  # noqa: E402
 from .nn import ConvBias2d, convert  # noqa: E402
 
@@ -49,6 +56,7 @@ __all__ = [
     "convert",
     "diagnostics",
     "explain",
+    "explain_activation_backward",
     "explain_param_grad",
     "functional",
     "ops",

@@ -118,6 +118,36 @@ def check_activation(activation: str, negative_slope: float, op: str = "convbias
         raise ValueError(f"{op}: expected `negative_slope` to be a finite number, got {negative_slope}")
 
 
+def check_activation_backward_args(
+    grad_output: torch.Tensor, saved: torch.Tensor, activation: str, negative_slope: float
+) -> None:
+    """Raise ValueError/TypeError naming the offending argument, as convbias::_activation_backward's kernels do."""
+    op = "convbias._activation_backward"
+    _check_rank4(op, "grad_output", "(N, K, H, W)", grad_output)
+    if grad_output.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{op}: expected `grad_output` to have a floating-point dtype (torch.float16, torch.bfloat16, "
+            f"torch.float32 or torch.float64), got {grad_output.dtype}"
+        )
+    if saved.dtype != grad_output.dtype:
+        raise TypeError(f"{op}: expected `saved` to have the dtype of `grad_output` ({grad_output.dtype}), got {saved.dtype}")
+    if saved.device != grad_output.device:
+        raise ValueError(f"{op}: expected `saved` on the device of `grad_output` ({grad_output.device}), got {saved.device}")
+    if list(saved.shape) != list(grad_output.shape):
+        raise ValueError(
+            f"{op}: expected `saved` of the shape of `grad_output` ({list(grad_output.shape)}), got {list(saved.shape)}"
+        )
+    check_activation(activation, negative_slope, op)
+
+
+def activation_grad_memory_format(grad_output: torch.Tensor, saved: torch.Tensor) -> torch.memory_format:
+    """The layout of _activation_backward's grad_z (csrc/activation.h, activation_grad_memory_format): channels_last
+    when grad_output or saved suggests it (an expanded grad_output, as from ``out.sum()``, has no layout of its own)."""
+    if memory_format_of(grad_output) == torch.channels_last or memory_format_of(saved) == torch.channels_last:
+        return torch.channels_last
+    return torch.contiguous_format
+
+
 def check_param_grad_args(
     grad_output: torch.Tensor,
     input: torch.Tensor,

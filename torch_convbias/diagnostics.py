@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ._validation import activation_grad_memory_format
 from .functional import _pair, _resolve_string_padding
 
 
@@ -70,6 +71,9 @@ def explain_param_grad(
     padding: int | Sequence[int] = 0,
     dilation: int | Sequence[int] = 1,
     groups: int = 1,
+    activation: str = "identity",
+    negative_slope: float = 0.01,
+    saved: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """How ``torch.ops.convbias.param_grad`` computes the weight and bias gradients for these arguments.
 
@@ -81,17 +85,52 @@ def explain_param_grad(
     ours; ``cudnn``: a reduction graph; ``aten``: ATen's sum), ``notes`` and, for the kernel, ``launch``
     (``blocks_per_sm``, ``loads_in_flight``, ``bands``: ``contiguous`` or ``interleaved``, ``timed``). ``math``: the flags that select engines. Builds and caches
     plans exactly as the call would; on CUDA that may run the gradients a few times to time candidates.
+
+    With an ``activation`` other than identity, ``grad_output`` is the gradient at the activation's output, as the
+    backward of ``conv_bias2d(..., activation=...)`` receives it, and ``saved`` the tensor its derivative is computed
+    from (the layer's output or pre-activation; by default a tensor like ``grad_output``). Then
+    ``activation_backward`` says how the derivative and the bias gradient are computed
+    (:func:`explain_activation_backward`); ``bias_grad`` is that pass's (``way`` ``fused`` when the fused kernel
+    computes it) and ``weight_grad`` the weight gradient of the derivative's result.
+    """
+    conv_args = (_pair("stride", stride), _pair("padding", padding), _pair("dilation", dilation), groups)
+    if activation == "identity":
+        return json.loads(torch.ops.convbias._explain_param_grad(grad_output, input, weight, *conv_args))
+    if saved is None:
+        saved = torch.empty_like(grad_output)
+    backward = explain_activation_backward(grad_output, saved, activation, negative_slope, bias_grad=True)
+    # The weight gradient is taken of grad_z, which the backward allocates in this layout.
+    grad_z = torch.empty(
+        grad_output.shape,
+        dtype=grad_output.dtype,
+        device=grad_output.device,
+        memory_format=activation_grad_memory_format(grad_output, saved),
+    )
+    info = json.loads(torch.ops.convbias._explain_param_grad(grad_z, input, weight, *conv_args))
+    info["activation_backward"] = backward
+    info["bias_grad"] = backward["bias_grad"]
+    return info
+
+
+def explain_activation_backward(
+    grad_output: torch.Tensor,
+    saved: torch.Tensor,
+    activation: str,
+    negative_slope: float = 0.01,
+    bias_grad: bool = True,
+) -> dict[str, Any]:
+    """How ``torch.ops.convbias._activation_backward`` computes ``grad_z = grad_output * act'(saved)`` and (when
+    ``bias_grad``) the bias gradient for these arguments.
+
+    Keys: ``activation``; ``derivative_from`` (``output`` or ``pre-activation``: what ``saved`` is); ``way``
+    (``fused kernel``: one pass that writes grad_z and sums it into the bias gradient; ``aten``: ATen's pointwise
+    backward, then the bias gradient as param_grad computes it); ``notes`` (why the fused kernel did not run);
+    ``launch`` for the fused kernel (as in :func:`explain_param_grad`); ``bias_grad`` (``way``: ``fused``, or the
+    bias gradient's own way over grad_z, or ``none``, with its ``notes`` and ``launch``); on CUDA ``math``. May time
+    the kernel's launch configurations once per shape, exactly as the call would.
     """
     return json.loads(
-        torch.ops.convbias._explain_param_grad(
-            grad_output,
-            input,
-            weight,
-            _pair("stride", stride),
-            _pair("padding", padding),
-            _pair("dilation", dilation),
-            groups,
-        )
+        torch.ops.convbias._explain_activation_backward(grad_output, saved, activation, float(negative_slope), bias_grad)
     )
 
 

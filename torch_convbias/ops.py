@@ -4,7 +4,9 @@ The schemas and the CPU/CUDA/autocast kernels are registered in C++ (``csrc/``);
 ``torch_convbias/libtorch_convbias.so`` (``torch_convbias/__init__.py`` does) registers them. This module adds
 what torch.compile and autograd need:
 
-* fake kernels (``torch.library.register_fake``) giving the output's shape, dtype, device and memory format;
+* fake kernels (``torch.library.register_fake``) giving the output's shape, dtype, device and memory format (also of
+  ``convbias::_activation_backward``, the activation's derivative fused with the bias gradient, which the autograd of
+  forward calls);
 * ``setup_context``/``backward`` for :class:`torch_convbias.ConvBiasFunction`.
 
 The autograd of both ops is registered in C++ (``csrc/autograd.cpp``, no Python per call): forward's weight and
@@ -23,6 +25,7 @@ from . import _validation
 
 forward = torch.ops.convbias.forward
 param_grad = torch.ops.convbias.param_grad
+activation_backward = torch.ops.convbias._activation_backward
 
 
 @torch.library.register_fake("convbias::forward")
@@ -71,6 +74,27 @@ def _param_grad_fake(
     )
     grad_bias = weight.new_empty((weight.shape[0],)) if output_mask[1] else None
     return grad_weight, grad_bias
+
+
+@torch.library.register_fake("convbias::_activation_backward")
+def _activation_backward_fake(
+    grad_output: torch.Tensor,
+    saved: torch.Tensor,
+    activation: str,
+    negative_slope: float,
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(grad_z, grad_bias): grad_z of grad_output's shape and dtype, channels_last when grad_output or saved is
+    (csrc/activation.h, activation_grad_memory_format); grad_bias of shape [K] when ``bias_grad``."""
+    _validation.check_activation_backward_args(grad_output, saved, activation, negative_slope)
+    grad_z = torch.empty(
+        grad_output.shape,
+        dtype=grad_output.dtype,
+        device=grad_output.device,
+        memory_format=_validation.activation_grad_memory_format(grad_output, saved),
+    )
+    grad_bias = grad_output.new_empty((grad_output.shape[1],)) if bias_grad else None
+    return grad_z, grad_bias
 
 
 def _input_stand_in(input: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,12 @@ at::Tensor forward_cpu(
 
 } // namespace
 
+at::Tensor bias_grad_reference(const at::Tensor& grad_output) {
+  // FP32 accumulation for 16-bit types, as ATen's convolution_backward does.
+  const at::ScalarType accumulate = grad_output.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return at::sum(grad_output, {0, 2, 3}, /*keepdim=*/false, accumulate).to(grad_output.scalar_type());
+}
+
 std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_reference(
     const at::Tensor& grad_output,
     const at::Tensor& input,
@@ -79,10 +85,8 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_refe
     return {std::nullopt, std::nullopt};
   }
   if (!output_mask[0]) {
-    // The bias gradient alone: a sum (the input may be a stand-in, autograd.cpp), with FP32 accumulation for 16-bit
-    // types as ATen's convolution_backward does.
-    const at::ScalarType accumulate = grad_output.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    return {std::nullopt, at::sum(grad_output, {0, 2, 3}, /*keepdim=*/false, accumulate).to(weight.scalar_type())};
+    // The bias gradient alone: a sum (the input may be a stand-in, autograd.cpp).
+    return {std::nullopt, bias_grad_reference(grad_output).to(weight.scalar_type())};
   }
   const std::vector<int64_t> bias_sizes{weight.size(0)};
   auto [unused_grad_input, grad_weight, grad_bias] = at::convolution_backward(

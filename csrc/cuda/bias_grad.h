@@ -3,6 +3,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "cuda/column_sum_config.h"
+
 #include <string>
 #include <vector>
 
@@ -18,13 +20,8 @@ bool bias_grad_kernel_applies(const at::Tensor& grad_output);
 at::Tensor bias_grad_channels_last(const at::Tensor& grad_output);
 
 // The kernel's launch configuration for grad_output, as a call would use it: timed once per (device, dtype,
-// rows, K) among a few where timing is allowed, else the default (`timed` false).
-struct BiasKernelLaunch {
-  int blocks_per_sm;
-  int loads_in_flight;
-  bool contiguous_bands;  // each band of rows one range (else bands interleave)
-  bool timed;
-};
+// rows, K) among a few where timing is allowed, else the default (`timed` false). column_sum_config.h says how.
+using BiasKernelLaunch = KernelLaunch;
 BiasKernelLaunch bias_grad_kernel_launch(const at::Tensor& grad_output);
 
 // Which way param_grad computes the bias gradient of grad_output ("kernel", "cudnn" or "aten"), and why.

@@ -1,6 +1,8 @@
 // CUDA kernels of the convbias ops. forward runs the cuDNN graph chosen for the problem (fused conv+bias,
 // conv + bias add, or ATen where no graph builds). param_grad: the weight gradient on a conv_wgrad graph for
 // channels_last tensors (TORCH_CONVBIAS_PARAM_GRAD=aten forces ATen), the bias gradient by our kernel.
+// _activation_backward: the activation's derivative and the bias gradient in one kernel where it applies
+// (cuda/activation_backward.h).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -9,6 +11,7 @@
 
 #include "activation.h"
 #include "conv_args.h"
+#include "cuda/activation_backward.h"
 #include "cuda/bias_grad.h"
 #include "cuda/forward_setup.h"
 #include "cuda/wgrad.h"
@@ -69,11 +72,22 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_cuda
   return {grad_weight, grad_bias};
 }
 
+std::tuple<at::Tensor, std::optional<at::Tensor>> activation_backward_cuda(
+    const at::Tensor& grad_output,
+    const at::Tensor& saved,
+    c10::string_view activation,
+    double negative_slope,
+    bool bias_grad) {
+  const ActivationSpec spec = check_activation_backward_call(grad_output, saved, activation, negative_slope);
+  return cuda::activation_backward(grad_output, saved, spec, bias_grad);
+}
+
 } // namespace
 
 TORCH_LIBRARY_IMPL(convbias, CUDA, m) {
   m.impl("forward", &forward_cuda);
   m.impl("param_grad", &param_grad_cuda);
+  m.impl("_activation_backward", &activation_backward_cuda);
   m.impl("_bias_grad", &cuda::bias_grad_with);
 }
 

@@ -1,12 +1,15 @@
-// Diagnostics of the CUDA path: convbias::_explain on CUDA tensors and the plan cache's statistics.
+// Diagnostics of the CUDA path: convbias::_explain, _explain_param_grad and _explain_activation_backward on CUDA
+// tensors, and the plan cache's statistics.
 #include "diagnostics.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include "activation.h"
 #include "conv_args.h"
+#include "cuda/activation_backward.h"
 #include "cuda/forward_setup.h"
 #include "cuda/bias_grad.h"
 #include "cuda/bias_reduction.h"
@@ -73,6 +76,24 @@ Json math_json() {
       {"tuning", cuda::tuning_name(cuda::requested_tuning(flags))}};
 }
 
+Json launch_json(const cuda::KernelLaunch& launch) {
+  return Json{
+      {"blocks_per_sm", launch.blocks_per_sm},
+      {"loads_in_flight", launch.loads_in_flight},
+      {"bands", launch.contiguous_bands ? "contiguous" : "interleaved"},
+      {"timed", launch.timed}};
+}
+
+// The bias gradient of grad_output as param_grad computes it: way, notes, and the kernel's launch.
+Json bias_grad_json(const at::Tensor& grad_output) {
+  const cuda::BiasGradWay way = cuda::bias_grad_way(grad_output);
+  Json bias_grad{{"way", way.way}, {"notes", way.notes}};
+  if (way.way == "kernel") {
+    bias_grad["launch"] = launch_json(cuda::bias_grad_kernel_launch(grad_output));
+  }
+  return bias_grad;
+}
+
 std::string explain_param_grad_cuda(
     const at::Tensor& grad_output,
     const at::Tensor& input,
@@ -101,17 +122,38 @@ std::string explain_param_grad_cuda(
       weight_grad["engine"] = engine_json(plan.engine);
     }
   }
-  const cuda::BiasGradWay way = cuda::bias_grad_way(grad_output);
-  Json bias_grad{{"way", way.way}, {"notes", way.notes}};
-  if (way.way == "kernel") {
-    const cuda::BiasKernelLaunch launch = cuda::bias_grad_kernel_launch(grad_output);
-    bias_grad["launch"] = {
-        {"blocks_per_sm", launch.blocks_per_sm},
-        {"loads_in_flight", launch.loads_in_flight},
-        {"bands", launch.contiguous_bands ? "contiguous" : "interleaved"},
-        {"timed", launch.timed}};
+  return Json{{"math", math_json()}, {"weight_grad", weight_grad}, {"bias_grad", bias_grad_json(grad_output)}}.dump();
+}
+
+// How _activation_backward computes grad_z and grad_bias: "fused kernel" (with its launch) or "aten" with the notes
+// saying why, and then the bias gradient's own way over grad_z (as param_grad would take it).
+std::string explain_activation_backward_cuda(
+    const at::Tensor& grad_output,
+    const at::Tensor& saved,
+    c10::string_view activation,
+    double negative_slope,
+    bool with_bias_grad) {
+  const ActivationSpec spec = check_activation_backward_call(grad_output, saved, activation, negative_slope);
+  const c10::cuda::CUDAGuard device_guard(grad_output.device());
+  const cuda::ActivationBackwardWay way = cuda::activation_backward_way(grad_output, saved, spec, with_bias_grad);
+  Json out{
+      {"math", math_json()},
+      {"activation", activation_name(spec.kind)},
+      {"derivative_from", derivative_source_name(spec)},
+      {"way", way.fused ? "fused kernel" : "aten"},
+      {"notes", way.notes}};
+  if (way.fused) {
+    out["launch"] = launch_json(cuda::fused_activation_backward_launch(grad_output, saved, spec));
+    out["bias_grad"] = {{"way", "fused"}, {"notes", Json::array()}};
+  } else if (with_bias_grad) {
+    // grad_z as the call allocates it: what the bias gradient is then taken of.
+    const at::Tensor grad_z = at::empty(
+        grad_output.sizes(), grad_output.options().memory_format(activation_grad_memory_format(grad_output, saved)));
+    out["bias_grad"] = bias_grad_json(grad_z);
+  } else {
+    out["bias_grad"] = {{"way", "none"}, {"notes", Json::array({"no bias gradient asked for"})}};
   }
-  return Json{{"math", math_json()}, {"weight_grad", weight_grad}, {"bias_grad", bias_grad}}.dump();
+  return out.dump();
 }
 
 std::string explain_cuda(
@@ -219,6 +261,7 @@ void plan_cache_clear() {
 TORCH_LIBRARY_IMPL(convbias, CUDA, m) {
   m.impl("_explain", &explain_cuda);
   m.impl("_explain_param_grad", &explain_param_grad_cuda);
+  m.impl("_explain_activation_backward", &explain_activation_backward_cuda);
 }
 
 } // namespace convbias
