@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,16 +226,295 @@ def test_convert_leaves_pairs_with_hooks_or_shared_modules_unfused() -> None:
     assert type(plain[1]) is nn.ReLU and plain[0].activation == "identity"
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+ROOT = Path(__file__).resolve().parents[1]
+
+# The op's reference for each activation name (slope: leaky_relu's).
+REFERENCE = {
+    "relu": lambda t, slope: F.relu(t),
+    "leaky_relu": lambda t, slope: F.leaky_relu(t, slope),
+    "gelu": lambda t, slope: F.gelu(t),
+    "gelu_tanh": lambda t, slope: F.gelu(t, approximate="tanh"),
+    "silu": lambda t, slope: F.silu(t),
+    "sigmoid": lambda t, slope: torch.sigmoid(t),
+    "tanh": lambda t, slope: torch.tanh(t),
+}
+# What the graph's last node must be, per activation (graph_ops in explain).
+EPILOGUE_OP = {
+    "relu": "RELU_FWD",
+    "gelu": "GELU_FWD",
+    "gelu_tanh": "GELU_APPROX_TANH_FWD",
+    "silu": "SWISH_FWD",
+    "sigmoid": "SIGMOID_FWD",
+    "tanh": "TANH_FWD",
+}
+
+
+def cuda_problem(n: int, c: int, k: int, hw: int, dtype: torch.dtype, seed: int, bias: bool = True) -> tuple:
+    """channels_last tensors with channel counts the fusion engines take (multiples of 8); `hw` picks a key no other
+    test builds, so that each test sees its own plan being chosen."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cl = torch.channels_last
+    x = torch.randn(n, c, hw, hw, device="cuda", generator=g).to(dtype).contiguous(memory_format=cl)
+    w = (torch.randn(k, c, 3, 3, device="cuda", generator=g) / (3 * c**0.5)).to(dtype).contiguous(memory_format=cl)
+    b = torch.randn(k, device="cuda", generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, name: str, slope: float) -> torch.Tensor:
+    """float32 conv (TF32 off) + activation: what the op's output is compared with (rounded once at the end)."""
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        out = F.conv2d(x.float(), w.float(), None if b is None else b.float(), padding=1)
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    return REFERENCE[name](out, slope)
+
+
+def check_output(out: torch.Tensor, expected: torch.Tensor) -> None:
+    tolerance = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}[out.dtype]
+    scale = max(1.0, expected.abs().amax().item())
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance * scale)
+
+
+def check_consistent(info: dict, name: str, slope: float = 0.01) -> None:
+    """explain's activation entry agrees with the graph it reports: the epilogue node last when fused, absent when not
+    (then ATen's pass ran it, and `why` says why)."""
+    act = info["activation"]
+    assert act["name"] == name, info
+    ops = info["graph_ops"]
+    if act["fused"]:
+        last = "RELU_FWD(lower_clip_slope=" if name == "leaky_relu" else EPILOGUE_OP[name]
+        assert info["path"] in ("fused", "conv") and ops and ops[-1].startswith(last), info
+        assert "epilogue" in act["how"], act
+    else:
+        assert not any(op.endswith("_FWD") or "_FWD(" in op for op in ops), info
+        assert "ATen" in act["how"] and act["why"], act
+
+
+@needs_cuda
+def test_relu_runs_in_the_graphs_epilogue() -> None:
+    """relu in fp16 channels_last (the fusion the precompiled engines are made for): one graph conv -> bias add ->
+    RELU_FWD, chosen without timing (torch's default), with the result of conv + bias + relu rounded once."""
+    x, w, b = cuda_problem(4, 32, 64, 11, torch.float16, seed=1)
+    out = conv_bias2d(x, w, b, padding=1, activation="relu")
+    info = torch_convbias.explain(x, w, b, padding=1, activation="relu")
+    assert info["math"]["tuning"] == "untimed", info["math"]
+    assert info["path"] == "fused" and info["activation"]["fused"] is True, info
+    assert info["graph_ops"] == ["CONV_FPROP", "ADD", "RELU_FWD"], info
+    assert "built and ran" in info["activation"]["why"], info["activation"]
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    check_output(out, reference(x, w, b, "relu", 0.01))
+
+
+@needs_cuda
+def test_conv_without_bias_gets_the_epilogue_too() -> None:
+    x, w, _ = cuda_problem(4, 32, 64, 13, torch.float16, seed=2, bias=False)
+    out = conv_bias2d(x, w, None, padding=1, activation="relu")
+    info = torch_convbias.explain(x, w, None, padding=1, activation="relu")
+    assert info["path"] == "conv" and info["activation"]["fused"] is True, info
+    assert info["graph_ops"] == ["CONV_FPROP", "RELU_FWD"], info
+    check_output(out, reference(x, w, None, "relu", 0.01))
+
+
+@needs_cuda
+def test_leaky_relu_slope_is_in_the_graph_and_the_key() -> None:
+    """The slope is the node's relu_lower_clip_slope; two slopes are two plans (never one slope's graph for the
+    other), and the output follows each."""
+    x, w, b = cuda_problem(4, 32, 64, 9, torch.float16, seed=3)
+    for slope in (0.2, -0.3):
+        out = conv_bias2d(x, w, b, padding=1, activation="leaky_relu", negative_slope=slope)
+        info = torch_convbias.explain(x, w, b, padding=1, activation="leaky_relu", negative_slope=slope)
+        check_consistent(info, "leaky_relu", slope)
+        if info["activation"]["fused"]:
+            assert info["graph_ops"][-1] == "RELU_FWD(lower_clip_slope=%.9g)" % torch.tensor(slope).float().item(), info
+        assert f"negative_slope {slope}" in info["problem"], info["problem"]
+        check_output(out, reference(x, w, b, "leaky_relu", slope))
+
+
+@needs_cuda
+@pytest.mark.parametrize("benchmark", [False, True], ids=["untimed", "benchmark"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("name", list(REFERENCE))
+def test_every_activation_is_right_fused_or_not(name: str, dtype: torch.dtype, benchmark: bool) -> None:
+    """Whichever route each activation takes (the epilogue where it builds and, when timed, is faster), the result
+    is conv + bias + activation and explain says which route ran and why. Under cudnn.benchmark the epilogue was
+    measured against the graph without it: both timings are reported."""
+    x, w, b = cuda_problem(4, 32, 64, 15 + benchmark, dtype, seed=4)
+    saved = torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = benchmark, False
+    try:
+        out = conv_bias2d(x, w, b, padding=1, activation=name, negative_slope=0.1)
+        info = torch_convbias.explain(x, w, b, padding=1, activation=name, negative_slope=0.1)
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = saved
+    check_consistent(info, name, 0.1)
+    act = info["activation"]
+    if benchmark and info["path"] != "aten" and (act["fused"] or "measured" in act["why"]):
+        assert act["epilogue_ms"] > 0 and act["separate_ms"] > 0, act
+    check_output(out, reference(x, w, b, name, 0.1))
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["relu", "gelu"])
+def test_nchw_inputs_with_an_activation(name: str) -> None:
+    """NCHW input and weight: the NCHW graph, the channels_last copies or ATen, each with the activation, timed
+    against each other under cudnn.benchmark; the output stays NCHW and right."""
+    x, w, b = cuda_problem(4, 32, 64, 14, torch.float32, seed=5)
+    x, w = x.contiguous(), w.contiguous()
+    saved = torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        for benchmark in (False, True):
+            torch.backends.cudnn.benchmark = benchmark
+            out = conv_bias2d(x, w, b, padding=1, activation=name)
+            info = torch_convbias.explain(x, w, b, padding=1, activation=name)
+            assert out.is_contiguous(), out.stride()
+            check_consistent(info, name)
+            check_output(out, reference(x, w, b, name, 0.01))
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = saved
+
+
+@needs_cuda
+def test_a_rejected_epilogue_falls_back_to_the_graph_without_it() -> None:
+    """cuDNN refusing the graph with the activation (the test hook refuses it as cuDNN would) leaves the fused
+    conv+bias graph and ATen's activation pass: the same result, and explain says which graph was refused."""
+    x, w, b = cuda_problem(4, 32, 64, 17, torch.float16, seed=6)
+    try:
+        torch.ops.convbias._inject_epilogue_rejections(1)
+        out = conv_bias2d(x, w, b, padding=1, activation="relu")
+    finally:
+        torch.ops.convbias._inject_epilogue_rejections(0)
+    info = torch_convbias.explain(x, w, b, padding=1, activation="relu")  # the plan the call made (cached)
+    act = info["activation"]
+    assert info["path"] == "fused" and act["fused"] is False, info
+    assert info["graph_ops"] == ["CONV_FPROP", "ADD"], info
+    assert "fused conv+bias+relu graph rejected" in act["why"] and "test hook" in act["why"], act
+    assert act["how"] == "ATen's pointwise kernel over the cuDNN graph's output", act
+    check_output(out, reference(x, w, b, "relu", 0.01))
+
+
+@needs_cuda
+def test_an_epilogue_candidate_that_fails_to_execute_is_skipped() -> None:
+    """A plan of the epilogue graph that builds but fails to run is skipped like any other candidate: the call is
+    right whether another epilogue plan ran or the graph without the epilogue did."""
+    x, w, b = cuda_problem(4, 32, 64, 19, torch.float16, seed=7)
+    try:
+        torch.ops.convbias._inject_execution_failures(1)
+        out = conv_bias2d(x, w, b, padding=1, activation="relu")
+    finally:
+        torch.ops.convbias._inject_execution_failures(0)
+    info = torch_convbias.explain(x, w, b, padding=1, activation="relu")
+    check_consistent(info, "relu")
+    assert info["engine"]["execution_failures"] >= 1 or not info["activation"]["fused"], info
+    check_output(out, reference(x, w, b, "relu", 0.01))
+
+
+@needs_cuda
+def test_cuda_graph_capture_with_an_activation() -> None:
+    """During capture the plan is chosen untimed and nothing runs outside the captured work; replays are right."""
+    x, w, b = cuda_problem(4, 32, 64, 21, torch.float16, seed=8)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            out = conv_bias2d(x, w, b, padding=1, activation="gelu")
+    torch.cuda.current_stream().wait_stream(stream)
+    x.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    check_output(out, reference(x, w, b, "gelu", 0.01))
+
+
+def run_with_knobs(code: str, **knobs: str) -> subprocess.CompletedProcess:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, **knobs}
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+KNOB_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, "tests")
+from test_activations import cuda_problem, reference, check_output
+import torch_convbias
+rows = {}
+for i, name in enumerate(%r):
+    x, w, b = cuda_problem(4, 32, 64, 10, torch.float16, seed=20 + i)
+    out = torch_convbias.conv_bias2d(x, w, b, padding=1, activation=name, negative_slope=0.2)
+    check_output(out, reference(x, w, b, name, 0.2))
+    rows[name] = torch_convbias.explain(x, w, b, padding=1, activation=name, negative_slope=0.2)
+print(json.dumps(rows))
+"""
+
+
+@needs_cuda
+def test_activation_knob_unfused_runs_atens_pass() -> None:
+    result = run_with_knobs(KNOB_SCRIPT % (["relu", "gelu"],), TORCH_CONVBIAS_ACTIVATION="unfused")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name, info in json.loads(result.stdout.strip().splitlines()[-1]).items():
+        assert info["path"] == "fused" and info["graph_ops"] == ["CONV_FPROP", "ADD"], (name, info)
+        assert info["activation"]["fused"] is False, (name, info)
+        assert info["activation"]["why"] == "TORCH_CONVBIAS_ACTIVATION=unfused", (name, info)
+
+
+@needs_cuda
+def test_activation_knob_fused_builds_every_epilogue() -> None:
+    """TORCH_CONVBIAS_ACTIVATION=fused: every activation in the graph's epilogue (runtime-compiled engines allowed),
+    or an error naming the graph cuDNN refused. fp16 channels_last, channel counts the fusion engines take."""
+    names = list(EPILOGUE_OP) + ["leaky_relu"]
+    result = run_with_knobs(KNOB_SCRIPT % (names,), TORCH_CONVBIAS_ACTIVATION="fused")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    for name, info in rows.items():
+        assert info["activation"]["fused"] is True, (name, info)
+        check_consistent(info, name, 0.2)
+        assert "TORCH_CONVBIAS_ACTIVATION=fused" in info["activation"]["why"], (name, info)
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "knobs,message",
+    [
+        ({"TORCH_CONVBIAS_ACTIVATION": "epilogue"}, "TORCH_CONVBIAS_ACTIVATION must be auto, fused or unfused, got 'epilogue'"),
+        (
+            {"TORCH_CONVBIAS_ACTIVATION": "fused", "TORCH_CONVBIAS_PATH": "unfused"},
+            "TORCH_CONVBIAS_ACTIVATION=fused needs the bias in the cuDNN graph, which TORCH_CONVBIAS_PATH=unfused excludes",
+        ),
+    ],
+    ids=["unknown", "contradicts-path"],
+)
+def test_bad_activation_knob_is_reported(knobs: dict, message: str) -> None:
+    result = run_with_knobs(KNOB_SCRIPT % (["relu"],), **knobs)
+    assert result.returncode != 0 and message in result.stderr and "ValueError" in result.stderr, result.stderr[-3000:]
+
+
+@needs_cuda
 def test_explain_reports_the_activation_on_cuda() -> None:
     x = torch.randn(4, 32, 10, 10, device="cuda").contiguous(memory_format=torch.channels_last)
     w = torch.randn(32, 32, 3, 3, device="cuda").contiguous(memory_format=torch.channels_last)
     b = torch.randn(32, device="cuda")
     info = torch_convbias.explain(x, w, b, padding=1, activation="silu")
-    assert info["path"] == "fused" and info["activation"]["name"] == "silu", info
-    assert info["activation"]["fused"] is False and "ATen" in info["activation"]["how"], info
-    cpu = json.loads(torch.ops.convbias._explain(x.cpu(), w.cpu(), b.cpu(), [1, 1], [1, 1], [1, 1], 1, "silu", 0.01))
-    assert cpu["activation"]["name"] == "silu"
+    assert info["path"] in ("fused", "conv+bias_add", "aten"), info
+    check_consistent(info, "silu")
+    identity = torch_convbias.explain(x, w, b, padding=1)
+    assert identity["activation"] == {
+        "name": "identity", "fused": False, "how": "none", "why": "", "epilogue_ms": -1, "separate_ms": -1
+    }, identity["activation"]
+    assert "RELU_FWD" not in identity["graph_ops"] and "activation" not in identity["problem"], identity
+
+
+def test_explain_on_cpu_reports_atens_activation() -> None:
+    x, w, b = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3), torch.randn(3)
+    cpu = json.loads(torch.ops.convbias._explain(x, w, b, [1, 1], [1, 1], [1, 1], 1, "silu", 0.01))
+    assert cpu["path"] == "aten" and cpu["graph_ops"] == [], cpu
+    assert cpu["activation"] == {
+        "name": "silu", "fused": False, "how": "ATen, before the result is rounded", "why": "CPU tensors: no cuDNN graph"
+    }, cpu
+    # The test hook is callable anywhere (it only arms the CUDA path's graph building).
+    torch.ops.convbias._inject_epilogue_rejections(0)
 
 
 class OpRecorder(TorchDispatchMode):

@@ -65,7 +65,7 @@ print(json.dumps({"cache": torch_convbias.cache_info(), "rows": rows}))
 """
 
 
-def run(directory: Path, bias_grad: str, **knobs: str) -> dict[str, Any]:
+def run(directory: Path, bias_grad: str, script: str = SCRIPT, **knobs: str) -> dict[str, Any]:
     env = {
         **os.environ,
         "TORCH_CONVBIAS_PLAN_CACHE_DIR": str(directory),
@@ -73,7 +73,7 @@ def run(directory: Path, bias_grad: str, **knobs: str) -> dict[str, Any]:
         "TORCH_CONVBIAS_AUTOTUNE": "quick",
         **{f"TORCH_CONVBIAS_{name.upper()}": value for name, value in knobs.items()},
     }
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
     report = json.loads(result.stdout.strip().splitlines()[-1])
     report["stderr"] = result.stderr
@@ -210,3 +210,84 @@ def test_a_plan_built_for_other_shapes_is_rejected(tmp_path: Path) -> None:
     cache = report["cache"]
     assert cache["disk_rejected"] >= 1, cache
     assert "the stored plan's tensor" in cache["disk_last_rejection"], cache
+
+
+# Forward calls with activations (relu and leaky_relu of one shape, gelu in bf16, silu without bias, relu on NCHW
+# tensors), each checked against F.conv2d + the activation; prints each problem's route as explain reports it.
+ACTIVATION_SCRIPT = r"""
+import json
+import torch
+import torch.nn.functional as F
+import torch_convbias
+
+torch.backends.cudnn.allow_tf32 = False
+cl, nchw = torch.channels_last, torch.contiguous_format
+PROBLEMS = [
+    ("relu", 0.01, torch.float16, cl, True),
+    ("leaky_relu", 0.2, torch.float16, cl, True),
+    ("gelu", 0.01, torch.bfloat16, cl, True),
+    ("silu", 0.01, torch.float16, cl, False),
+    ("relu", 0.01, torch.float32, nchw, True),
+]
+SELECTED = None  # indices into PROBLEMS, or all
+ACT = {"relu": lambda t, s: F.relu(t), "leaky_relu": F.leaky_relu, "gelu": lambda t, s: F.gelu(t),
+       "silu": lambda t, s: F.silu(t)}
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+rows = []
+for i, (name, slope, dtype, fmt, has_bias) in enumerate(PROBLEMS):
+    if SELECTED is not None and i not in SELECTED:
+        continue
+    g = torch.Generator(device="cuda").manual_seed(100 + i)
+    x = torch.randn(8, 32, 12, 12, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
+    w = (torch.randn(64, 32, 3, 3, device="cuda", generator=g) / 17).to(dtype).contiguous(memory_format=fmt)
+    b = torch.randn(64, device="cuda", generator=g).to(dtype) if has_bias else None
+    y = torch.ops.convbias.forward(x, w, b, [1, 1], [1, 1], [1, 1], 1, name, slope)
+    ref = ACT[name](F.conv2d(x.float(), w.float(), None if b is None else b.float(), padding=1), slope)
+    error = ((y.float() - ref).abs().max() / max(1.0, ref.abs().max())).item()
+    info = torch_convbias.explain(x, w, b, padding=1, activation=name, negative_slope=slope)
+    engine = info.get("engine") or {}
+    rows.append({
+        "ok": error <= TOL[dtype], "error": error, "name": name, "path": info["path"],
+        "fused": info["activation"]["fused"], "graph_ops": info["graph_ops"], "engine": engine.get("name"),
+        "from_disk": engine.get("from_disk"),
+    })
+print(json.dumps({"cache": torch_convbias.cache_info(), "rows": rows}))
+"""
+
+
+@cuda
+def test_plans_with_an_activation_are_stored_and_loaded(tmp_path: Path) -> None:
+    """A timed choice with an activation (the epilogue graph, or the graph without it and ATen's pass) is stored
+    under a key holding the activation and its slope, and the next process loads the same route, graph and engine."""
+    built = run(tmp_path, "kernel", script=ACTIVATION_SCRIPT)
+    first = built["cache"]
+    assert first["disk_writes"] >= len(built["rows"]) and first["disk_rejected"] == 0, first
+    loaded = run(tmp_path, "kernel", script=ACTIVATION_SCRIPT)
+    second = loaded["cache"]
+    assert second["disk_hits"] == second["misses"] >= len(built["rows"]), second
+    assert second["disk_writes"] == 0 and second["disk_misses"] == 0 and second["disk_rejected"] == 0, second
+    route = [(r["path"], r["fused"], r["graph_ops"], r["engine"]) for r in built["rows"]]
+    assert [(r["path"], r["fused"], r["graph_ops"], r["engine"]) for r in loaded["rows"]] == route
+    assert all(r["from_disk"] in (True, None) for r in loaded["rows"]), loaded["rows"]
+
+
+@cuda
+def test_a_stored_graph_with_another_epilogue_is_rejected(tmp_path: Path) -> None:
+    """The stored graph must run the problem's activation: relu's record (same shapes) in leaky_relu(0.2)'s file
+    is rejected by the operations check (not the tensor check), and the plan rebuilt with the right result. Both in
+    the epilogue (TORCH_CONVBIAS_ACTIVATION=fused), fp16 channels_last: the fusion the precompiled engines make."""
+    script = ACTIVATION_SCRIPT.replace("SELECTED = None", "SELECTED = [0, 1]")
+    run(tmp_path, "kernel", script=script, activation="fused")
+    files = [f for f in plan_files(tmp_path) if f.name.startswith("forward-")]
+    # The records' texts name their graphs (activation_why: "the fused conv+bias+relu graph built and ran").
+    relu = [f for f in files if b"fused conv+bias+relu graph" in f.read_bytes()]
+    leaky = [f for f in files if b"fused conv+bias+leaky_relu graph" in f.read_bytes()]
+    assert len(relu) == 1 and len(leaky) == 1, files
+    swap_records(leaky[0], relu[0])
+    report = run(tmp_path, "kernel", script=script, activation="fused")
+    cache = report["cache"]
+    assert cache["disk_rejected"] == 1 and cache["disk_writes"] == 1, cache
+    assert "the stored plan's graph runs" in cache["disk_last_rejection"], cache
+    assert "RELU_FWD(lower_clip_slope=0.200000003)" in cache["disk_last_rejection"], cache
+    leaky_row = [r for r in report["rows"] if r["name"] == "leaky_relu"][0]
+    assert leaky_row["fused"] and leaky_row["graph_ops"][-1] == "RELU_FWD(lower_clip_slope=0.200000003)", leaky_row

@@ -49,7 +49,11 @@ def explain(
     timings of the candidates, rejections), ``layout`` (``channels_last``, ``copied to channels_last``, or for
     NCHW input and weight ``nchw graph`` / ``nchw via channels_last copies`` / ``nchw (aten)``), ``layout_timings``
     (``[way, ms]`` of each way of running NCHW tensors that was measured), ``converted_input``, ``output``,
-    ``alignment``, ``math`` (the flags that select engines), ``activation`` (``name``, ``fused``, ``how``), ``cached`` and
+    ``alignment``, ``math`` (the flags that select engines), ``graph_ops`` (the cuDNN graph's operations in order,
+    e.g. ``["CONV_FPROP", "ADD", "RELU_FWD"]``; empty on the ATen path), ``activation`` (``name``; ``fused``: true when
+    the activation is the graph's last node, its epilogue, false when ATen's pointwise kernel runs it after the graph
+    or after ATen's convolution; ``how``; ``why``: the graph that cuDNN rejected, the knob, or the timings;
+    ``epilogue_ms`` / ``separate_ms``: the two routes, measured when choices are timed, -1 otherwise), ``cached`` and
     ``plan_build_seconds``. Builds and caches the plan if needed, exactly as the
     call would; on CUDA that may run the convolution a few times to time candidates.
     """

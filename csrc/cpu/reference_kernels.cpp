@@ -119,7 +119,12 @@ std::string explain_cpu(
       check_forward_call(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope).second;
   return Json{
       {"path", "aten"},
-      {"activation", {{"name", activation_name(spec.kind)}, {"fused", false}, {"how", "ATen, before the result is rounded"}}},
+      {"activation",
+       {{"name", activation_name(spec.kind)},
+        {"fused", false},
+        {"how", "ATen, before the result is rounded"},
+        {"why", "CPU tensors: no cuDNN graph"}}},
+      {"graph_ops", Json::array()},
       {"notes", Json::array({"CPU tensors run ATen's convolution (the reference path)"})}}
       .dump();
 }

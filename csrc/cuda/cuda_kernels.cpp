@@ -1,6 +1,7 @@
-// CUDA kernels of the convbias ops. forward runs the cuDNN graph chosen for the problem (fused conv+bias,
-// conv + bias add, or ATen where no graph builds). param_grad: the weight gradient on a conv_wgrad graph for
-// channels_last tensors (TORCH_CONVBIAS_PARAM_GRAD=aten forces ATen), the bias gradient by our kernel.
+// CUDA kernels of the convbias ops. forward runs the cuDNN graph chosen for the problem (fused conv+bias, with the
+// activation in its epilogue where that graph builds; conv + bias add; or ATen where no graph builds). param_grad:
+// the weight gradient on a conv_wgrad graph for channels_last tensors (TORCH_CONVBIAS_PARAM_GRAD=aten forces ATen),
+// the bias gradient by our kernel.
 // _activation_backward: the activation's derivative and the bias gradient in one kernel where it applies
 // (cuda/activation_backward.h).
 #include <ATen/ATen.h>
@@ -33,15 +34,14 @@ at::Tensor forward_cuda(
   const auto [params, spec] =
       check_forward_call(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params);
+  const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params, spec);
   if (route.aten_reason || route.plan->path == cuda::FpropPath::Aten) {
     return forward_reference(input, weight, bias, stride, padding, dilation, groups, spec);
   }
   const cuda::PreparedForward& prepared = *route.prepared;
-  // In the layout F.conv2d returns: the problem's own (channels_last, or NCHW even via channels_last copies).
-  at::Tensor y = cuda::run_fprop(*route.plan, prepared.problem, prepared.x, prepared.w, prepared.b);
-  // The activation as a pass of its own over the graph's output (not yet in the graph's epilogue: explain says so).
-  return apply_activation_(y, spec);
+  // In the layout F.conv2d returns: the problem's own (channels_last, or NCHW even via channels_last copies). The
+  // activation is in the graph's epilogue or applied by run_fprop after it, as the plan says.
+  return cuda::run_fprop(*route.plan, prepared.problem, prepared.x, prepared.w, prepared.b);
 }
 
 std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_cuda(

@@ -13,6 +13,7 @@
 #include "cuda/forward_setup.h"
 #include "cuda/bias_grad.h"
 #include "cuda/bias_reduction.h"
+#include "cuda/epilogue.h"
 #include "cuda/plan_store.h"
 #include "cuda/wgrad.h"
 #include "json.h"
@@ -94,6 +95,35 @@ Json bias_grad_json(const at::Tensor& grad_output) {
   return bias_grad;
 }
 
+// Where the activation runs: fused (the graph's last node) or ATen's pass after the graph or after ATen's
+// convolution, and why (`plan` null: ATen before any graph, for `aten_reason`).
+Json activation_json(const ActivationSpec& spec, const cuda::FpropPlan* plan, const std::string& aten_reason) {
+  Json j{
+      {"name", activation_name(spec.kind)},
+      {"fused", plan != nullptr && plan->activation_fused},
+      {"how", "none"},
+      {"why", ""},
+      {"epilogue_ms", number(plan != nullptr ? plan->epilogue_ms : -1.0f)},
+      {"separate_ms", number(plan != nullptr ? plan->separate_activation_ms : -1.0f)}};
+  if (spec.is_identity()) {
+    return j;
+  }
+  if (plan == nullptr || plan->path == cuda::FpropPath::Aten) {
+    j["how"] = "ATen's pointwise kernel after ATen's convolution";
+    const std::string why = plan == nullptr ? aten_reason : plan->activation_why;
+    j["why"] = why.empty() ? "ATen's convolution runs this problem (see notes)" : why;
+  } else if (plan->activation_fused) {
+    j["how"] = std::string("in the cuDNN graph's epilogue: ") +
+        (plan->path == cuda::FpropPath::Fused ? "conv -> bias add" : "conv") + " -> " + cuda::epilogue_operation(spec) +
+        ", FP32, one output write";
+    j["why"] = plan->activation_why;
+  } else {
+    j["how"] = "ATen's pointwise kernel over the cuDNN graph's output";
+    j["why"] = plan->activation_why.empty() ? "the graph without the activation was chosen" : plan->activation_why;
+  }
+  return j;
+}
+
 std::string explain_param_grad_cuda(
     const at::Tensor& grad_output,
     const at::Tensor& input,
@@ -170,14 +200,11 @@ std::string explain_cuda(
       check_forward_call(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
   const c10::cuda::CUDAGuard device_guard(input.device());
   Json out{{"math", math_json()}};
-  out["activation"] = {
-      {"name", activation_name(spec.kind)},
-      {"fused", false},
-      {"how", spec.is_identity() ? "none" : "ATen's pointwise kernel over the output (the graph's epilogue: not yet)"}};
-  const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params);
+  const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params, spec);
   if (route.aten_reason) {
     out["path"] = "aten";
     out["notes"] = Json::array({*route.aten_reason});
+    out["activation"] = activation_json(spec, nullptr, *route.aten_reason);
     return out.dump();
   }
   const cuda::PreparedForward& prepared = *route.prepared;
@@ -199,6 +226,8 @@ std::string explain_cuda(
       {"graph_ms", number(plan->graph_ms)},
       {"aten_ms", number(plan->aten_ms)},
       {"alignment", {{"input", a[0]}, {"weight", a[1]}, {"bias", a[2]}, {"output", a[3]}}},
+      {"graph_ops", plan->graph_ops},
+      {"activation", activation_json(spec, plan.get(), "")},
       {"notes", plan->notes}});
   if (plan->path != cuda::FpropPath::Aten) {
     out["engine"] = engine_json(plan->engine);
@@ -214,6 +243,10 @@ std::string math_flags() {
 
 void inject_execution_failures(int64_t count) {
   cuda::inject_execution_failures(count);
+}
+
+void inject_epilogue_rejections(int64_t count) {
+  cuda::inject_epilogue_rejections(count);
 }
 
 std::string plan_cache_stats() {

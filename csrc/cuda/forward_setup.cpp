@@ -27,7 +27,8 @@ std::optional<std::string> aten_only_reason(const at::Tensor& input, const at::T
 }
 
 PreparedForward prepare_forward(
-    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params) {
+    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params,
+    const ActivationSpec& activation) {
   PreparedForward p;
   const at::MemoryFormat format = output_memory_format(input, weight);
   // Graphs take fully packed tensors in one layout; others are copied once here.
@@ -38,18 +39,19 @@ PreparedForward prepare_forward(
     p.b = aligned_for_cudnn(bias->contiguous(), at::MemoryFormat::Contiguous, &p.realigned);
   }
   p.problem = make_problem(
-      p.x, p.w, p.b, output_size(input, weight, params), params, format == at::MemoryFormat::ChannelsLast);
+      p.x, p.w, p.b, output_size(input, weight, params), params, format == at::MemoryFormat::ChannelsLast, activation);
   return p;
 }
 
 ForwardRoute route_forward(
-    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params) {
+    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params,
+    const ActivationSpec& activation) {
   ForwardRoute route;
   route.aten_reason = aten_only_reason(input, weight);
   if (route.aten_reason) {
     return route;
   }
-  route.prepared = prepare_forward(input, weight, bias, params);
+  route.prepared = prepare_forward(input, weight, bias, params, activation);
   const PreparedForward& p = *route.prepared;
   route.plan = fprop_plan(p.problem, p.x, p.w, p.b, &route.was_cached, &route.build_seconds);
   return route;

@@ -1,4 +1,5 @@
-// Turning forward's arguments into the channels_last tensors and the problem the fprop plans work on.
+// Turning forward's arguments into the channels_last tensors and the problem (with its activation) the fprop plans
+// work on.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -25,7 +26,8 @@ struct PreparedForward {
 };
 
 PreparedForward prepare_forward(
-    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params);
+    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params,
+    const ActivationSpec& activation);
 
 // The path a forward call takes: ATen before any graph (aten_reason set), or the prepared tensors and their
 // cached plan (whose own path may still be ATen when no graph builds). The one decision forward and explain share.
@@ -38,6 +40,7 @@ struct ForwardRoute {
 };
 
 ForwardRoute route_forward(
-    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params);
+    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params,
+    const ActivationSpec& activation);
 
 } // namespace convbias::cuda

@@ -3,9 +3,11 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstring>
 #include <iterator>
 #include <sstream>
 
+#include "cuda/epilogue.h"
 #include "cuda/plan_store.h"
 #include "reference.h"
 
@@ -14,17 +16,44 @@ namespace {
 
 constexpr int64_t kX = 1, kW = 2, kB = 3, kY = 4;
 
-// The graph: conv_fprop (-> FLOAT intermediate) -> pointwise ADD of the bias [1,K,1,1] -> y, or conv alone.
-// Returns nullptr and the reason when cuDNN does not accept the graph itself.
+// What a forward graph holds after the convolution: the pointwise ADD of the bias, then the problem's activation.
+struct GraphForm {
+  bool bias = false;
+  bool activation = false;
+};
+
+GraphForm form_of(const FpropPlan& plan) {
+  return GraphForm{plan.path == FpropPath::Fused, plan.activation_fused};
+}
+
+// "fused conv+bias graph", "conv graph", "fused conv+bias+gelu graph", "conv+relu graph": for messages.
+std::string graph_name(const GraphForm& form, const ActivationSpec& activation) {
+  std::string name = form.bias ? "fused conv+bias" : "conv";
+  if (form.activation) {
+    name += std::string("+") + activation_name(activation.kind);
+  }
+  return name + " graph";
+}
+
+// The graph: conv_fprop, then (in FP32, inside the graph) the pointwise ADD of the bias [1,K,1,1] and the activation
+// node, each when `form` asks for it; the last result is y, written once in the I/O dtype. Returns nullptr and the
+// reason when cuDNN does not accept the graph itself.
 std::shared_ptr<fe::graph::Graph> make_graph(
-    const FpropProblem& p, bool with_bias, cudnnHandle_t handle, std::string* why) {
+    const FpropProblem& p, const GraphForm& form, cudnnHandle_t handle, std::string* why) {
+  if (form.activation && take_injected_epilogue_rejection()) {
+    *why = "refused by the test hook (convbias::_inject_epilogue_rejections)";
+    return nullptr;
+  }
   auto graph = new_graph(p.dtype);
   auto x = packed_tensor(*graph, "x", kX, p.x_dims, p.channels_last, p.alignments[0]);
   auto w = packed_tensor(*graph, "w", kW, p.w_dims, p.channels_last, p.alignments[1]);
   auto conv = graph->conv_fprop(x, w, with_conv_params(fe::graph::Conv_fprop_attributes().set_name("conv"), p.params));
   std::shared_ptr<fe::graph::Tensor_attributes> y = conv;
-  if (with_bias) {
+  if (form.bias || form.activation) {
+    // An intermediate: FP32, never written to memory.
     conv->set_data_type(fe::DataType_t::FLOAT).set_dim(as_vector(p.y_dims)).set_stride(packed_strides(p.y_dims, p.channels_last));
+  }
+  if (form.bias) {
     const int64_t k = p.w_dims[0];
     auto b = graph->tensor(fe::graph::Tensor_attributes()
                                .set_name("bias")
@@ -38,6 +67,11 @@ std::shared_ptr<fe::graph::Graph> make_graph(
             .set_name("bias_add")
             .set_mode(fe::PointwiseMode_t::ADD)
             .set_compute_data_type(fe::DataType_t::FLOAT));
+  }
+  if (form.activation) {
+    // The epilogue: the activation of the FP32 sum, so that the output is rounded once (as the CPU reference does).
+    y->set_data_type(fe::DataType_t::FLOAT);
+    y = graph->pointwise(y, epilogue_attributes(p.activation));
   }
   y->set_output(true)
       .set_uid(kY)
@@ -58,23 +92,31 @@ VariantPack variant_pack(
   return pack;
 }
 
-const char* graph_name(bool with_bias) {
-  return with_bias ? "fused conv+bias graph" : "conv graph";
-}
-
 void execute(
     fe::graph::Graph& graph, int64_t plan_index, void* workspace, VariantPack& pack, const FpropProblem& problem,
-    bool with_bias) {
-  execute_graph(graph, plan_index, workspace, pack, [&] { return std::string(graph_name(with_bias)) + " for " + problem.describe(); });
+    const GraphForm& form) {
+  execute_graph(graph, plan_index, workspace, pack, [&] { return graph_name(form, problem.activation) + " for " + problem.describe(); });
 }
 
 GraphAttempt attempt(
-    const FpropProblem& p, bool with_bias, const SelectionPolicy& policy, const at::Tensor& x, const at::Tensor& w,
-    const std::optional<at::Tensor>& b, const at::Tensor& y) {
+    const FpropProblem& p, const GraphForm& form, const SelectionPolicy& policy, const at::Tensor& x,
+    const at::Tensor& w, const std::optional<at::Tensor>& b, const at::Tensor& y) {
   return build_graph_plan(
-      [&](cudnnHandle_t handle, std::string* why) { return make_graph(p, with_bias, handle, why); }, policy,
-      variant_pack(x, w, b, y, with_bias), x.device(),
-      [&] { return std::string(graph_name(with_bias)) + " for " + p.describe(); });
+      [&](cudnnHandle_t handle, std::string* why) { return make_graph(p, form, handle, why); }, policy,
+      variant_pack(x, w, b, y, form.bias), x.device(),
+      [&] { return graph_name(form, p.activation) + " for " + p.describe(); });
+}
+
+// The operations a graph of `form` for `p` consists of (graph_operations): what a stored graph must show.
+std::vector<std::string> expected_operations(const FpropProblem& p, const GraphForm& form) {
+  std::vector<std::string> operations{"CONV_FPROP"};
+  if (form.bias) {
+    operations.emplace_back("ADD");
+  }
+  if (form.activation) {
+    operations.push_back(epilogue_operation(p.activation));
+  }
+  return operations;
 }
 
 std::string layout_hint(const FpropProblem& p) {
@@ -98,15 +140,136 @@ at::Tensor new_output(const FpropProblem& p, const at::Tensor& like) {
       like.options().memory_format(p.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous));
 }
 
+// act(conv + bias) by ATen: nn.Conv2d's own path, followed by the activation.
 at::Tensor run_aten(
     const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   const ConvParams& c = p.params;
-  return forward_reference(x, w, b, c.stride, c.padding, c.dilation, c.groups);
+  return forward_reference(x, w, b, c.stride, c.padding, c.dilation, c.groups, p.activation);
 }
 
-// The graph path for the problem in its own layout: fused graph, conv graph + bias add, or ATen when no graph
-// builds. Throws when a path forced by TORCH_CONVBIAS_PATH does not build (channels_last problems only: an
-// NCHW problem still has the channels_last copies to fall back on).
+// Fills `plan` with the graph path that leaves the activation to ATen: the fused conv+bias graph, the conv graph +
+// bias add, or ATen when neither builds. Throws when a path forced by TORCH_CONVBIAS_PATH does not build
+// (channels_last problems only: an NCHW problem still has the channels_last copies to fall back on).
+void choose_graph_without_epilogue(
+    FpropPlan& plan, const FpropProblem& p, const SelectionPolicy& policy, bool exhaustive, const at::Tensor& x,
+    const at::Tensor& w, const std::optional<at::Tensor>& b, const at::Tensor& y) {
+  const auto& k = knobs();
+  const bool forced_must_build = p.channels_last;
+  const GraphForm with_bias{/*bias=*/true, /*activation=*/false};
+  const GraphForm conv_only{/*bias=*/false, /*activation=*/false};
+
+  std::optional<GraphAttempt> fused;
+  if (p.has_bias && k.path != "unfused") {
+    fused = attempt(p, with_bias, policy, x, w, b, y);
+    if (!fused->failure.empty()) {
+      plan.notes.push_back("fused conv+bias graph rejected: " + fused->failure);
+      TORCH_CHECK(
+          k.path != "fused" || !forced_must_build,
+          "convbias: TORCH_CONVBIAS_PATH=fused but cuDNN rejected the fused conv+bias graph for ", p.describe(), ": ",
+          fused->failure, ". Hint: ", layout_hint(p));
+    }
+  }
+  const bool fused_ok = fused && fused->failure.empty();
+  // Conv alone (then a bias add): needed without bias, when the fused graph failed, when forced, and when
+  // measuring whether fusion pays for this key (cudnn.benchmark, or AUTOTUNE=on, without a forced path).
+  const bool measure_both = fused_ok && exhaustive;
+  std::optional<GraphAttempt> unfused;
+  if (!fused_ok || measure_both) {
+    unfused = attempt(p, conv_only, policy, x, w, b, y);
+    if (!unfused->failure.empty()) {
+      plan.notes.push_back("conv graph rejected: " + unfused->failure);
+    }
+  }
+  const bool unfused_ok = unfused && unfused->failure.empty();
+
+  auto take = [&](GraphAttempt& a, FpropPath path) {
+    plan.path = path;
+    plan.graph = a.graph;
+    plan.engine = a.engine;
+  };
+  // Time both complete paths on these tensors: fused graph vs conv graph + ATen bias add (when their workspace
+  // can be allocated: else the fused graph is taken unmeasured). The activation, ATen's pass after either, is left out.
+  const at::Tensor workspace = fused_ok && unfused_ok
+      ? try_workspace(std::max(fused->engine.workspace_bytes, unfused->engine.workspace_bytes), x.options())
+      : at::Tensor();
+  if (workspace.defined()) {
+    auto fused_pack = variant_pack(x, w, b, y, true);
+    auto conv_pack = variant_pack(x, w, b, y, false);
+    const at::Tensor bias_view = b->view({1, -1, 1, 1});
+    plan.fused_ms = time_on_stream(
+        [&] { execute(*fused->graph, fused->engine.plan_index, workspace.data_ptr(), fused_pack, p, with_bias); });
+    plan.unfused_ms = time_on_stream([&] {
+      execute(*unfused->graph, unfused->engine.plan_index, workspace.data_ptr(), conv_pack, p, conv_only);
+      y.add_(bias_view);
+    });
+    if (plan.unfused_ms < plan.fused_ms) {
+      take(*unfused, FpropPath::ConvThenBiasAdd);
+      plan.notes.push_back("conv graph + bias add measured faster than the fused graph");
+    } else {
+      take(*fused, FpropPath::Fused);
+    }
+  } else if (fused_ok) {
+    take(*fused, FpropPath::Fused);
+  } else if (unfused_ok) {
+    take(*unfused, p.has_bias ? FpropPath::ConvThenBiasAdd : FpropPath::Conv);
+  } else {
+    TORCH_CHECK(
+        k.path == "auto" || !forced_must_build, "convbias: TORCH_CONVBIAS_PATH=", k.path,
+        " but cuDNN rejected the graph for ", p.describe(), ": ", plan.notes.empty() ? "" : plan.notes.back(),
+        ". Hint: ", layout_hint(p));
+    plan.path = FpropPath::Aten;
+    plan.notes.push_back("no cuDNN graph builds (and runs) for this problem; running ATen's convolution. Hint: " + layout_hint(p));
+    // Out of memory while trying candidates: the next call tries again.
+    plan.transient = (fused && fused->engine.transient) || (unfused && unfused->engine.transient);
+  }
+}
+
+// The graph with the activation in its epilogue (conv [+ bias] + activation), or nullopt where it is not to be tried
+// (identity, or a knob excludes it); `plan.activation_why` says why not, or why it was rejected. Throws when
+// TORCH_CONVBIAS_ACTIVATION=fused and it does not build (channels_last problems, as for TORCH_CONVBIAS_PATH=fused).
+std::optional<GraphAttempt> attempt_epilogue(
+    FpropPlan& plan, const FpropProblem& p, const SelectionPolicy& policy, const at::Tensor& x, const at::Tensor& w,
+    const std::optional<at::Tensor>& b, const at::Tensor& y) {
+  const auto& k = knobs();
+  if (p.activation.is_identity()) {
+    return std::nullopt;
+  }
+  if (k.activation == "unfused") {
+    plan.activation_why = "TORCH_CONVBIAS_ACTIVATION=unfused";
+    return std::nullopt;
+  }
+  if (k.path == "unfused") {
+    plan.activation_why = "TORCH_CONVBIAS_PATH=unfused: nothing is fused into the convolution's graph";
+    return std::nullopt;
+  }
+  const GraphForm form{p.has_bias, /*activation=*/true};
+  SelectionPolicy epilogue_policy = policy;
+  // An untimed choice takes the epilogue only where a precompiled engine runs it: runtime-compiled fusion engines
+  // cost 0.05-5.6 s to build per shape and ran conv+bias up to 2x slower than the best precompiled engine on the H200,
+  // which only a timed choice (measured against the graph without the epilogue) can notice.
+  const bool precompiled_only = !policy.time_candidates() && k.activation != "fused";
+  if (precompiled_only) {
+    epilogue_policy.allow_runtime_compiled = false;
+  }
+  GraphAttempt a = attempt(p, form, epilogue_policy, x, w, b, y);
+  if (!a.failure.empty()) {
+    plan.activation_why = graph_name(form, p.activation) + " rejected: " + a.failure +
+        (precompiled_only && policy.allow_runtime_compiled
+             ? " (precompiled engines only: runtime-compiled ones are tried when choices are timed, under "
+               "torch.backends.cudnn.benchmark or TORCH_CONVBIAS_AUTOTUNE=quick/on)"
+             : "");
+    plan.notes.push_back(plan.activation_why);
+    TORCH_CHECK(
+        k.activation != "fused" || !p.channels_last, "convbias: TORCH_CONVBIAS_ACTIVATION=fused but cuDNN rejected the ",
+        graph_name(form, p.activation), " for ", p.describe(), ": ", a.failure, ". Hint: ", layout_hint(p));
+  }
+  return a;
+}
+
+// The graph path for the problem in its own layout. With an activation: the graph with it in the epilogue where
+// that builds and runs (when choices are timed, where it also measures faster than the graph without it followed by
+// ATen's activation pass), else the path without it (choose_graph_without_epilogue) and ATen's pass. Under
+// exhaustive tuning ATen's own route (convolution, bias add, activation) is measured against the result.
 std::shared_ptr<FpropPlan> build_graph_path(
     const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   auto plan = std::make_shared<FpropPlan>();
@@ -118,78 +281,61 @@ std::shared_ptr<FpropPlan> build_graph_path(
   }
   plan->tuned = policy.time_candidates();
   const at::Tensor y = new_output(p, x);
-  const bool forced_must_build = p.channels_last;
-
-  std::optional<GraphAttempt> fused;
-  if (p.has_bias && k.path != "unfused") {
-    fused = attempt(p, /*with_bias=*/true, policy, x, w, b, y);
-    if (!fused->failure.empty()) {
-      plan->notes.push_back("fused conv+bias graph rejected: " + fused->failure);
-      TORCH_CHECK(
-          k.path != "fused" || !forced_must_build,
-          "convbias: TORCH_CONVBIAS_PATH=fused but cuDNN rejected the fused conv+bias graph for ", p.describe(), ": ",
-          fused->failure, ". Hint: ", layout_hint(p));
-    }
-  }
-  const bool fused_ok = fused && fused->failure.empty();
-  // Conv alone (then a bias add): needed without bias, when the fused graph failed, when forced, and when
-  // measuring whether fusion pays for this key.
   // cudnn.benchmark (or AUTOTUNE=on) without a forced path: every alternative is measured.
   const bool exhaustive = policy.tuning == Tuning::Exhaustive && k.path == "auto";
-  const bool measure_both = fused_ok && exhaustive;
-  std::optional<GraphAttempt> unfused;
-  if (!fused_ok || measure_both) {
-    unfused = attempt(p, /*with_bias=*/false, policy, x, w, b, y);
-    if (!unfused->failure.empty()) {
-      plan->notes.push_back("conv graph rejected: " + unfused->failure);
-    }
-  }
-  const bool unfused_ok = unfused && unfused->failure.empty();
 
-  auto take = [&](GraphAttempt& a, FpropPath path) {
-    plan->path = path;
-    plan->graph = a.graph;
-    plan->engine = a.engine;
+  std::optional<GraphAttempt> epilogue = attempt_epilogue(*plan, p, policy, x, w, b, y);
+  const bool epilogue_ok = epilogue && epilogue->failure.empty();
+  auto take_epilogue = [&](std::string why) {
+    plan->path = p.has_bias ? FpropPath::Fused : FpropPath::Conv;
+    plan->graph = epilogue->graph;
+    plan->engine = epilogue->engine;
+    plan->activation_fused = true;
+    plan->activation_why = std::move(why);
+    plan->transient = false; // a graph that ran was chosen, whatever the route without the epilogue met
   };
-  // Time both complete paths on these tensors: fused graph vs conv graph + ATen bias add (when their workspace
-  // can be allocated: else the fused graph is taken unmeasured).
-  const at::Tensor workspace = fused_ok && unfused_ok
-      ? try_workspace(std::max(fused->engine.workspace_bytes, unfused->engine.workspace_bytes), x.options())
-      : at::Tensor();
-  if (workspace.defined()) {
-    auto fused_pack = variant_pack(x, w, b, y, true);
-    auto conv_pack = variant_pack(x, w, b, y, false);
-    const at::Tensor bias_view = b->view({1, -1, 1, 1});
-    plan->fused_ms = time_on_stream(
-        [&] { execute(*fused->graph, fused->engine.plan_index, workspace.data_ptr(), fused_pack, p, true); });
-    plan->unfused_ms = time_on_stream([&] {
-      execute(*unfused->graph, unfused->engine.plan_index, workspace.data_ptr(), conv_pack, p, false);
-      y.add_(bias_view);
-    });
-    if (plan->unfused_ms < plan->fused_ms) {
-      take(*unfused, FpropPath::ConvThenBiasAdd);
-      plan->notes.push_back("conv graph + bias add measured faster than the fused graph");
-    } else {
-      take(*fused, FpropPath::Fused);
-    }
-  } else if (fused_ok) {
-    take(*fused, FpropPath::Fused);
-  } else if (unfused_ok) {
-    take(*unfused, p.has_bias ? FpropPath::ConvThenBiasAdd : FpropPath::Conv);
+  const std::string epilogue_name = graph_name(GraphForm{p.has_bias, true}, p.activation);
+  // Timed choices (quick or exhaustive) measure the epilogue against the route without it; forced ones do not.
+  const bool compare = epilogue_ok && policy.time_candidates() && k.activation == "auto";
+  if (epilogue_ok && !compare) {
+    take_epilogue(
+        "the " + epilogue_name + " built and ran" +
+        (k.activation == "fused" ? " (TORCH_CONVBIAS_ACTIVATION=fused)" : ""));
   } else {
-    TORCH_CHECK(
-        k.path == "auto" || !forced_must_build, "convbias: TORCH_CONVBIAS_PATH=", k.path,
-        " but cuDNN rejected the graph for ", p.describe(), ": ", plan->notes.empty() ? "" : plan->notes.back(),
-        ". Hint: ", layout_hint(p));
-    plan->path = FpropPath::Aten;
-    plan->notes.push_back("no cuDNN graph builds (and runs) for this problem; running ATen's convolution. Hint: " + layout_hint(p));
-    // Out of memory while trying candidates: the next call tries again.
-    plan->transient = (fused && fused->engine.transient) || (unfused && unfused->engine.transient);
+    choose_graph_without_epilogue(*plan, p, policy, exhaustive, x, w, b, y);
+    // Refused for want of memory (a candidate's workspace): not a final choice, the next call tries again.
+    plan->transient = plan->transient || (epilogue && !epilogue_ok && epilogue->engine.transient);
   }
+  if (compare && plan->path == FpropPath::Aten) {
+    take_epilogue("the " + epilogue_name + " built and ran; no graph without the activation did");
+  } else if (compare) {
+    // Both complete routes on these tensors, each with its own output and workspace as a call has them.
+    FpropPlan candidate;
+    candidate.path = p.has_bias ? FpropPath::Fused : FpropPath::Conv;
+    candidate.graph = epilogue->graph;
+    candidate.engine = epilogue->engine;
+    candidate.activation_fused = true;
+    plan->epilogue_ms = time_on_stream([&] { (void)run_fprop(candidate, p, x, w, b); });
+    plan->separate_activation_ms = time_on_stream([&] { (void)run_fprop(*plan, p, x, w, b); });
+    std::ostringstream timings;
+    timings << plan->epilogue_ms << " ms against " << plan->separate_activation_ms << " ms for the "
+            << (plan->path == FpropPath::Fused ? "fused conv+bias graph"
+                    : plan->path == FpropPath::Conv ? "conv graph"
+                                                    : "conv graph + bias add")
+            << " + ATen's activation";
+    if (plan->epilogue_ms <= plan->separate_activation_ms) {
+      plan->notes.clear(); // what the route without the epilogue rejected no longer applies
+      take_epilogue("the " + epilogue_name + " measured faster: " + timings.str());
+    } else {
+      plan->activation_why = "the " + epilogue_name + " measured slower: " + timings.str();
+      plan->notes.push_back(plan->activation_why);
+    }
+  }
+
   if (plan->path != FpropPath::Aten && p.channels_last && exhaustive) {
-    // Under cudnn.benchmark, nn.Conv2d's own path (ATen's convolution, then its bias add) is measured too: on
-    // strict fp32 the graph's best engine is often the one ATen uses, and where ATen is faster it is taken, so
-    // this op is never slower than nn.Conv2d for the key.
+    // Under cudnn.benchmark, nn.Conv2d's own path (ATen's convolution, then its bias add and the activation) is
+    // measured too: on strict fp32 the graph's best engine is often the one ATen uses, and where ATen is faster it is
+    // taken, so this op is never slower than nn.Conv2d (+ the activation module) for the key.
     const float graph_ms = time_on_stream([&] { (void)run_fprop(*plan, p, x, w, b); });
     const float aten_ms = time_on_stream([&] { (void)run_aten(p, x, w, b); });
     plan->aten_ms = aten_ms;
@@ -197,12 +343,18 @@ std::shared_ptr<FpropPlan> build_graph_path(
     if (aten_ms < graph_ms) {
       plan->path = FpropPath::Aten;
       plan->graph.reset();
+      plan->activation_fused = false;
       plan->notes.push_back("ATen's convolution + bias add measured faster than the cuDNN graph");
+      if (!p.activation.is_identity()) {
+        plan->activation_why = "ATen's convolution, bias add and activation measured faster than the cuDNN graph";
+      }
     }
+  }
+  if (plan->graph) {
+    plan->graph_ops = graph_operations(*plan->graph);
   }
   return plan;
 }
-
 
 // An NCHW problem (NCHW input and weight, so F.conv2d returns NCHW) runs one of three ways: a graph over the
 // NCHW strides (precompiled engines only), the channels_last plan on copies (two copies in, one out), or
@@ -322,7 +474,11 @@ std::optional<plan_store::Json> plan_record(const FpropPlan& plan) {
       {"graph_ms", plan.graph_ms},
       {"aten_ms", plan.aten_ms},
       {"notes", plan.notes},
-      {"layout_timings", plan_store::timings_json(plan.layout_timings)}};
+      {"layout_timings", plan_store::timings_json(plan.layout_timings)},
+      {"activation_fused", plan.activation_fused},
+      {"activation_why", plan.activation_why},
+      {"epilogue_ms", plan.epilogue_ms},
+      {"separate_activation_ms", plan.separate_activation_ms}};
   // A plan run via channels_last copies stores its choice only: the channels_last plan is stored under its own key.
   const bool own_graph = !plan.via_channels_last && plan.path != FpropPath::Aten;
   return plan_store::put_graph(r, own_graph ? plan.graph : nullptr, plan.engine) ? std::optional(r) : std::nullopt;
@@ -339,6 +495,12 @@ std::shared_ptr<const FpropPlan> plan_from_record(
   if (found == std::end(paths) || (*found != FpropPath::Aten && (*found == FpropPath::Conv) == p.has_bias)) {
     return nullptr;
   }
+  // The epilogue ends a fused or conv graph, and only for an activation (the key has it: this guards the record).
+  const bool activation_fused = r.at("activation_fused").get<bool>();
+  if (activation_fused &&
+      (p.activation.is_identity() || (*found != FpropPath::Fused && *found != FpropPath::Conv))) {
+    return nullptr;
+  }
   std::shared_ptr<FpropPlan> plan;
   if (r.at("via_channels_last").get<bool>()) {
     if (p.channels_last) {
@@ -351,10 +513,18 @@ std::shared_ptr<const FpropPlan> plan_from_record(
   } else {
     plan = std::make_shared<FpropPlan>();
     plan->path = *found;
+    plan->activation_fused = activation_fused;
+    // The stored graph must hold the problem's tensors and exactly the operations the record says it runs (the
+    // activation node, with its slope, in particular).
+    const GraphForm form = form_of(*plan);
+    const std::vector<std::string> operations = expected_operations(p, form);
     std::string why;
-    if (!plan_store::take_graph(r, expected_tensors(p, plan->path == FpropPath::Fused), plan->graph, plan->engine, &why) ||
+    if (!plan_store::take_graph(r, expected_tensors(p, form.bias), plan->graph, plan->engine, &why, operations) ||
         (plan->path != FpropPath::Aten) != bool(plan->graph)) {
       return nullptr;
+    }
+    if (plan->graph) {
+      plan->graph_ops = operations;
     }
   }
   plan->tuned = r.at("tuned").get<bool>();
@@ -365,6 +535,9 @@ std::shared_ptr<const FpropPlan> plan_from_record(
   plan->notes = r.at("notes").get<std::vector<std::string>>();
   plan->notes.push_back("loaded from the persistent plan cache");
   plan->layout_timings = plan_store::timings_from(r.at("layout_timings"));
+  plan->activation_why = r.at("activation_why").get<std::string>();
+  plan->epilogue_ms = r.at("epilogue_ms").get<float>();
+  plan->separate_activation_ms = r.at("separate_activation_ms").get<float>();
   return plan;
 }
 
@@ -401,6 +574,14 @@ PlanKey FpropProblem::key() const {
   f.push_back(flags.allow_tf32 && dtype == at::kFloat);
   f.push_back(flags.deterministic);
   f.push_back(flags.benchmark);
+  // The activation: its kind, and for leaky_relu the bits of its slope (the others ignore it, so share their keys).
+  f.push_back(static_cast<int64_t>(activation.kind));
+  int64_t slope_bits = 0;
+  if (activation.kind == Activation::LeakyRelu) {
+    static_assert(sizeof(slope_bits) == sizeof(activation.negative_slope));
+    std::memcpy(&slope_bits, &activation.negative_slope, sizeof(slope_bits));
+  }
+  f.push_back(slope_bits);
   return key;
 }
 
@@ -411,6 +592,12 @@ std::string FpropProblem::describe() const {
     << (has_bias ? ", with bias" : ", no bias") << ", stride " << at::IntArrayRef(params.stride) << ", padding "
     << at::IntArrayRef(params.padding) << ", dilation " << at::IntArrayRef(params.dilation) << ", groups "
     << params.groups << ", alignment " << at::IntArrayRef(alignments) << " bytes";
+  if (!activation.is_identity()) {
+    s << ", activation " << activation_name(activation.kind);
+    if (activation.kind == Activation::LeakyRelu) {
+      s << " (negative_slope " << activation.negative_slope << ")";
+    }
+  }
   return s.str();
 }
 
@@ -428,7 +615,7 @@ PlanCaches<FpropPlan>& fprop_cache() {
 
 FpropProblem make_problem(
     const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, at::IntArrayRef y_dims,
-    const ConvParams& params, bool channels_last) {
+    const ConvParams& params, bool channels_last, const ActivationSpec& activation) {
   FpropProblem p;
   p.dtype = x.scalar_type();
   p.device = x.device().index();
@@ -443,6 +630,7 @@ FpropProblem make_problem(
   // The caching allocator hands out (at least) 512-byte aligned blocks, and y is always freshly allocated.
   p.alignments = {pointer_alignment(x), pointer_alignment(w), p.has_bias ? pointer_alignment(*b) : 16, 16};
   p.flags = current_math_flags();
+  p.activation = activation;
   return p;
 }
 
@@ -465,14 +653,17 @@ at::Tensor run_fprop(
         .contiguous();
   }
   TORCH_INTERNAL_ASSERT(plan.path != FpropPath::Aten && plan.graph);
-  const bool fused_bias = plan.path == FpropPath::Fused;
+  const GraphForm form = form_of(plan);
   at::Tensor y = new_output(problem, x);
-  auto pack = variant_pack(x, w, b, y, fused_bias);
+  auto pack = variant_pack(x, w, b, y, form.bias);
   execute_plan(*plan.graph, plan.engine, pack, x.options(), [&] {
-    return std::string(graph_name(fused_bias)) + " for " + problem.describe();
+    return graph_name(form, problem.activation) + " for " + problem.describe();
   });
   if (plan.path == FpropPath::ConvThenBiasAdd) {
     y.add_(b->view({1, -1, 1, 1}));
+  }
+  if (!plan.activation_fused) {
+    apply_activation_(y, problem.activation); // ATen's pass over the graph's output (nothing for identity)
   }
   return y;
 }

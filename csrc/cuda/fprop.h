@@ -1,5 +1,6 @@
-// The fused conv+bias forward on cuDNN graphs: which path a problem takes (fused graph, conv-only graph plus
-// a bias add, or ATen), the cached plan for it, and running it.
+// The fused conv+bias(+activation) forward on cuDNN graphs: which path a problem takes (fused graph, conv-only graph
+// plus a bias add, or ATen; the activation in the graph's epilogue or as ATen's pass after it), the cached plan for
+// it, and running it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,7 +17,8 @@
 namespace convbias::cuda {
 
 // Fused: the conv+bias graph; Conv: the conv graph of a call without bias; ConvThenBiasAdd: the conv graph
-// followed by ATen's bias add; Aten: ATen's convolution (no cuDNN graph builds for the problem).
+// followed by ATen's bias add; Aten: ATen's convolution (no cuDNN graph builds for the problem). Fused and Conv
+// graphs end with the activation node when FpropPlan::activation_fused says so.
 enum class FpropPath { Fused, Conv, ConvThenBiasAdd, Aten };
 const char* path_name(FpropPath path);
 
@@ -31,9 +33,11 @@ struct FpropProblem {
   bool has_bias;
   std::array<int64_t, 4> alignments; // x, w, bias, y in bytes (y is always ours: allocated 16-byte aligned)
   MathFlags flags;
+  // Applied to conv + bias: in the graph's epilogue (FpropPlan::activation_fused) or by ATen after the graph.
+  ActivationSpec activation;
 
   PlanKey key() const;
-  std::string describe() const; // shapes, layout, dtype and parameters, for messages
+  std::string describe() const; // shapes, layout, dtype, parameters and activation, for messages
   FpropProblem as_channels_last() const; // the same problem on channels_last copies (fresh, 16-byte aligned)
 };
 
@@ -42,12 +46,21 @@ struct FpropPlan {
   std::shared_ptr<fe::graph::Graph> graph; // the fused or conv-only graph; null on the ATen path
   EngineChoice engine;
   bool tuned = false; // candidates (and fused vs unfused) were timed
-  bool transient = false; // ATen because no candidate's workspace could be allocated now: neither cached nor stored
+  // ATen, or the graph without the activation's epilogue, because no candidate's workspace could be allocated now:
+  // neither cached nor stored (the next call chooses again).
+  bool transient = false;
   float fused_ms = -1; // measured, when both paths were timed
   float unfused_ms = -1;
   float graph_ms = -1; // channels_last under cudnn.benchmark: the chosen graph path ...
   float aten_ms = -1; // ... and ATen's convolution + bias add, measured; the faster one is kept
   std::vector<std::string> notes; // why this path: what was rejected and why
+  std::vector<std::string> graph_ops; // the graph's operations (graph_operations), e.g. CONV_FPROP, ADD, RELU_FWD
+
+  // The activation (not identity): in the graph's epilogue, or ATen's pass over the graph's (or ATen's) output.
+  bool activation_fused = false;
+  std::string activation_why; // why it is (not) in the graph: the knob, cuDNN's refusal, or the timings
+  float epilogue_ms = -1; // measured (timed choices): the graph with the epilogue ...
+  float separate_activation_ms = -1; // ... against the graph without it followed by ATen's activation
 
   // NCHW problems: the three ways to run them (a graph over NCHW strides, the channels_last plan on copies,
   // ATen) are measured once and the fastest kept. When the copies won, `via_channels_last` is the plan they run
@@ -58,10 +71,10 @@ struct FpropPlan {
 
 PlanCaches<FpropPlan>& fprop_cache();
 
-// The problem for fully packed x, w, (b) (all channels_last or all NCHW) and an output of `y_dims`.
+// The problem for fully packed x, w, (b) (all channels_last or all NCHW), an output of `y_dims` and `activation`.
 FpropProblem make_problem(
     const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, at::IntArrayRef y_dims,
-    const ConvParams& params, bool channels_last);
+    const ConvParams& params, bool channels_last, const ActivationSpec& activation);
 
 // The cached plan for `problem`, built on a miss (and, where timing is asked for, timed on these tensors and a scratch
 // output; during CUDA graph capture untimed, for captures only: see plan_lookup.h).
@@ -69,8 +82,8 @@ std::shared_ptr<const FpropPlan> fprop_plan(
     const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
     bool* was_cached = nullptr, double* build_seconds = nullptr);
 
-// conv(x, w) + b by `plan` on the current stream, in the problem's layout, into a new tensor. Not for the ATen
-// path, which the caller runs on the original arguments.
+// act(conv(x, w) + b) by `plan` on the current stream, in the problem's layout, into a new tensor (the activation in
+// the graph or applied after it). Not for the ATen path, which the caller runs on the original arguments.
 at::Tensor run_fprop(
     const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
     const std::optional<at::Tensor>& b);

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <set>
@@ -549,6 +550,48 @@ std::shared_ptr<fe::graph::Tensor_attributes> packed_tensor(
                           .set_dim(as_vector(dims))
                           .set_stride(packed_strides(dims, channels_last))
                           .set_alignment(alignment));
+}
+
+std::string operation_name(const std::string& mode, float lower_clip_slope) {
+  if (lower_clip_slope == 0.0f) {
+    return mode;
+  }
+  // Nine significant digits: every float reads back as itself, so a graph's slope and a problem's compare exactly.
+  char slope[32];
+  std::snprintf(slope, sizeof(slope), "%.9g", static_cast<double>(lower_clip_slope));
+  return mode + "(lower_clip_slope=" + slope + ")";
+}
+
+std::vector<std::string> graph_operations(const nlohmann::json& nodes) {
+  std::vector<std::string> operations;
+  if (!nodes.is_array()) {
+    return operations;
+  }
+  for (const auto& node : nodes) {
+    const std::string tag = node.value("tag", std::string("?"));
+    if (tag != "POINTWISE" || !node.contains("mode") || !node["mode"].is_string()) {
+      operations.push_back(tag);
+      continue;
+    }
+    float slope = 0.0f;
+    if (node.contains("relu_lower_clip_slope") && !node["relu_lower_clip_slope"].is_null()) {
+      // The frontend writes floats as hexadecimal strings of their bits and reads them back the same way.
+      const auto& value = node["relu_lower_clip_slope"];
+      slope = value.is_string() ? value.get<float>() : static_cast<float>(value.get<double>());
+    }
+    operations.push_back(operation_name(node["mode"].get<std::string>(), slope));
+  }
+  return operations;
+}
+
+std::vector<std::string> graph_operations(const fe::graph::Graph& graph) {
+  try {
+    nlohmann::json description;
+    graph.serialize(description);
+    return graph_operations(description.value("nodes", nlohmann::json::array()));
+  } catch (const std::exception&) {
+    return {}; // a description is for diagnostics only
+  }
 }
 
 bool finalize_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string* why) {

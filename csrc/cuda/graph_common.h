@@ -122,6 +122,17 @@ std::shared_ptr<fe::graph::Tensor_attributes> packed_tensor(
     bool channels_last,
     int64_t alignment);
 
+// The operations of a graph in order, from the frontend's JSON description of its nodes (the "nodes" of
+// Graph::serialize, also stored with a persisted plan): a node's tag ("CONV_FPROP"), for a pointwise node its mode
+// ("ADD", "RELU_FWD"), written by operation_name. What explain reports and the plan store checks a stored graph by.
+std::vector<std::string> graph_operations(const nlohmann::json& nodes);
+
+// graph_operations of a graph made here; empty when the frontend cannot describe it (explain then shows none).
+std::vector<std::string> graph_operations(const fe::graph::Graph& graph);
+
+// A pointwise mode with its non-zero relu_lower_clip_slope, if any: "RELU_FWD(lower_clip_slope=0.2)".
+std::string operation_name(const std::string& mode, float lower_clip_slope);
+
 // validate() and build_operation_graph(); false with the reason (cuDNN's too) when cuDNN refuses the graph.
 bool finalize_graph(fe::graph::Graph& graph, cudnnHandle_t handle, std::string* why);
 

@@ -30,6 +30,15 @@ const Knobs& knobs() {
     TORCH_CHECK_VALUE(
         result.path == "auto" || result.path == "fused" || result.path == "unfused" || result.path == "aten",
         "TORCH_CONVBIAS_PATH must be auto, fused, unfused or aten, got '", result.path, "'");
+    result.activation = env_or("TORCH_CONVBIAS_ACTIVATION", "auto");
+    TORCH_CHECK_VALUE(
+        result.activation == "auto" || result.activation == "fused" || result.activation == "unfused",
+        "TORCH_CONVBIAS_ACTIVATION must be auto, fused or unfused, got '", result.activation, "'");
+    // The epilogue follows the bias add inside the graph: a graph without the bias (or no graph) cannot have it.
+    TORCH_CHECK_VALUE(
+        result.activation != "fused" || result.path == "auto" || result.path == "fused",
+        "TORCH_CONVBIAS_ACTIVATION=fused needs the bias in the cuDNN graph, which TORCH_CONVBIAS_PATH=", result.path,
+        " excludes");
     result.autotune = env_or("TORCH_CONVBIAS_AUTOTUNE", "auto");
     TORCH_CHECK_VALUE(
         result.autotune == "auto" || result.autotune == "off" || result.autotune == "quick" || result.autotune == "on",

@@ -34,7 +34,8 @@ namespace fs = std::filesystem;
 
 // Bumped whenever a record's layout or the meaning of a key's fields changes: older files are then rejected.
 // 2: the knobs and "timed" in every file, the graph's description stored with its plan.
-constexpr int64_t kFormatVersion = 2;
+// 3: the activation in forward keys and records (its epilogue checked in the stored graph), the ACTIVATION knob.
+constexpr int64_t kFormatVersion = 3;
 constexpr char kMagic[8] = {'C', 'V', 'B', 'P', 'L', 'A', 'N', '1'};
 
 std::atomic<int64_t> hit_count{0}, miss_count{0}, write_count{0}, reject_count{0};
@@ -69,6 +70,7 @@ Json knob_values() {
   const Knobs& k = knobs();
   return Json{
       {"path", k.path},
+      {"activation", k.activation},
       {"nchw", k.nchw},
       {"autotune", k.autotune},
       {"no_runtime_compilation", !k.allow_runtime_compiled},
@@ -204,8 +206,10 @@ std::shared_ptr<fe::graph::Graph> deserialize_plan(const std::vector<uint8_t>& d
   return graph;
 }
 
-// Whether the graph stored with a plan (serialize_plan) has the expected tensors.
-bool structure_matches(const std::vector<uint8_t>& data, const ExpectedTensors& expected, std::string* why) {
+// Whether the graph stored with a plan (serialize_plan) has the expected tensors and (when given) operations.
+bool structure_matches(
+    const std::vector<uint8_t>& data, const ExpectedTensors& expected, const std::vector<std::string>& operations,
+    std::string* why) {
   const Json j = Json::from_ubjson(data, /*strict=*/true, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.contains("tensors") || !j["tensors"].is_array()) {
     *why = "the stored plan has no graph description";
@@ -226,6 +230,14 @@ bool structure_matches(const std::vector<uint8_t>& data, const ExpectedTensors& 
                                : "dims " + Json(it->second.dims).dump() + " strides " + Json(it->second.strides).dump())
         << ", the problem's dims " << Json(shape.dims).dump() << " strides " << Json(shape.strides).dump();
       *why = s.str();
+      return false;
+    }
+  }
+  if (!operations.empty()) {
+    const std::vector<std::string> stored_operations = graph_operations(j.value("nodes", Json::array()));
+    if (stored_operations != operations) {
+      *why = "the stored plan's graph runs " + Json(stored_operations).dump() + ", the problem needs " +
+          Json(operations).dump();
       return false;
     }
   }
@@ -418,11 +430,12 @@ struct LoadedGraph {
   EngineChoice engine;
 };
 
-std::optional<LoadedGraph> load_graph(const Json& record, const ExpectedTensors& expected, std::string* why) {
+std::optional<LoadedGraph> load_graph(
+    const Json& record, const ExpectedTensors& expected, const std::vector<std::string>& operations, std::string* why) {
   const auto start = std::chrono::steady_clock::now();
   LoadedGraph loaded;
   const std::vector<uint8_t> plan = as_bytes(record.at("plan"));
-  if (!structure_matches(plan, expected, why)) {
+  if (!structure_matches(plan, expected, operations, why)) {
     return std::nullopt;
   }
   loaded.graph = deserialize_plan(plan, why);
@@ -482,11 +495,11 @@ bool put_graph(Json& record, const std::shared_ptr<fe::graph::Graph>& graph, con
 
 bool take_graph(
     const Json& record, const ExpectedTensors& expected, std::shared_ptr<fe::graph::Graph>& graph,
-    EngineChoice& engine, std::string* why) {
+    EngineChoice& engine, std::string* why, const std::vector<std::string>& expected_operations) {
   if (record.at("graph").is_null()) {
     return true;
   }
-  auto loaded = load_graph(record.at("graph"), expected, why);
+  auto loaded = load_graph(record.at("graph"), expected, expected_operations, why);
   if (!loaded) {
     note_rejection(*why);
     return false;

@@ -5,7 +5,8 @@
 // Nothing read back is trusted blindly: a record is used only when its file's magic and checksum, format version,
 // environment (GPU name, compute capability, multiprocessor count, cuDNN and frontend versions), the TORCH_CONVBIAS_*
 // knobs that shape choices, plan kind and full key all match, the graph stored with the plan has the problem's
-// tensor shapes and strides, and cuDNN rebuilds its execution plans for this device with the workspace recorded.
+// tensor shapes and strides (and, for forward plans, the operations its record says it runs: the activation's node),
+// and cuDNN rebuilds its execution plans for this device with the workspace recorded.
 // Anything else counts as rejected and the plan is built afresh (and the file rewritten). Only timed choices are
 // written: an untimed one (heuristics' first plan) costs little to make again, and a choice made while memory was
 // short (a candidate skipped for its workspace) is not a final one. Errors other than "this record does not fit"
@@ -56,11 +57,12 @@ using ExpectedTensors = std::map<int64_t, TensorShape>;
 bool put_graph(Json& record, const std::shared_ptr<fe::graph::Graph>& graph, const EngineChoice& engine);
 
 // record["graph"] rebuilt into `graph` and `engine` (left empty when it is null) for the current device, after
-// checking that the stored graph's tensors with the uids of `expected` have those dims and strides; false (and why)
-// when they differ or cuDNN does not rebuild the plan with the workspace recorded.
+// checking that the stored graph's tensors with the uids of `expected` have those dims and strides and, when
+// `expected_operations` is not empty, that its operations (graph_operations) are those; false (and why) when they
+// differ or cuDNN does not rebuild the plan with the workspace recorded.
 bool take_graph(
     const Json& record, const ExpectedTensors& expected, std::shared_ptr<fe::graph::Graph>& graph,
-    EngineChoice& engine, std::string* why);
+    EngineChoice& engine, std::string* why, const std::vector<std::string>& expected_operations = {});
 
 // (name, ms) timings as stored.
 Json timings_json(const std::vector<std::pair<std::string, float>>& timings);
