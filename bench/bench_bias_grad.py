@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -138,57 +138,60 @@ def activation_inputs(dims: tuple[int, int, int, int], dtype: torch.dtype, name:
     return dy, saved, z
 
 
-def activation_rows(args: argparse.Namespace, copy_gbps: float | None) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for dtype_name in args.dtypes:
-        dtype = DTYPES[dtype_name]
+def output_shapes(dtype_names: list[str]) -> Iterator[tuple[str, torch.dtype, tuple[int, int, int, int]]]:
+    """(dtype name, dtype, N x K x Ho x Wo) of every distinct convolution output of the suite, per dtype."""
+    for dtype_name in dtype_names:
         seen: set[tuple[int, int, int, int]] = set()
         for shape in harness.SUITE:
-            ho, wo = shape.out_hw
-            dims = (shape.n, shape.k, ho, wo)
-            if dims in seen:
-                continue
-            seen.add(dims)
-            for name in args.activations:
-                dy, saved, z = activation_inputs(dims, dtype, name)
-                nbytes = dy.numel() * dy.element_size()
-                activation, slope, _ = ACTIVATIONS[name]
-                info = torch_convbias.explain_activation_backward(dy, saved, activation, slope)
-                row: dict[str, Any] = {"dtype": dtype_name, "activation": name, "grad_output": list(dims),
-                                       "bytes_moved": 3 * nbytes, "large": nbytes >= BIAS_LARGE_BYTES,
-                                       "fused_way": info["way"], "fused_launch": info.get("launch"), "errors": {}}
-                fns = activation_variants(dy, saved, name)
-                row["cold_ms_fused"], error = cold_ms(fns["fused"])
-                if error:
-                    row["errors"]["fused"] = error
-                runnable = {v: fn for v, fn in fns.items() if v not in row["errors"]}
-                timings = time_side_by_side(runnable, args.warmup, args.iters, "cuda")
-                stream = time_back_to_back(runnable, args.calls, args.repeats, "cuda")
-                row["timings"], row["stream_timings"] = timings, stream
-                for suffix, measured in (("", timings), ("_stream", stream)):
-                    for variant, timing in measured.items():
-                        gbps = 3 * nbytes / timing["median_ms"] / 1e6
-                        row[f"{variant}{suffix}_ms"] = timing["median_ms"]
-                        row[f"{variant}{suffix}_fraction"] = gbps / copy_gbps if copy_gbps else None
-                    if "fused" in measured and "copy" in measured:
-                        row[f"fused_vs_copy{suffix}"] = measured["copy"]["median_ms"] / measured["fused"]["median_ms"]
-                # Numerics against float64 autograd of the same rounded values (the bias gradient; dz checked by the
-                # tests): relative to the largest |reference|.
-                leaf = z.double().requires_grad_()
-                functions = {"relu": torch.relu, "leaky_relu": lambda t: torch.nn.functional.leaky_relu(t, slope),
-                             "gelu": torch.nn.functional.gelu,
-                             "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
-                             "silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh}
-                (reference_dz,) = torch.autograd.grad(functions[activation](leaf), [leaf], dy.double())
-                reference = reference_dz.sum((0, 2, 3))
-                del reference_dz, leaf
-                row["max_rel_error"] = {
-                    variant: ((fn()[1].double() - reference).abs().max() / reference.abs().max().clamp_min(1)).item()
-                    for variant, fn in runnable.items()
-                    if variant != "copy"
-                }
-                rows.append(row)
-                del dy, saved, z, fns, runnable
+            dims = (shape.n, shape.k, *shape.out_hw)
+            if dims not in seen:
+                seen.add(dims)
+                yield dtype_name, DTYPES[dtype_name], dims
+
+
+def activation_rows(args: argparse.Namespace, copy_gbps: float | None) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for dtype_name, dtype, dims in output_shapes(args.dtypes):
+        for name in args.activations:
+            dy, saved, z = activation_inputs(dims, dtype, name)
+            nbytes = dy.numel() * dy.element_size()
+            activation, slope, _ = ACTIVATIONS[name]
+            info = torch_convbias.explain_activation_backward(dy, saved, activation, slope)
+            row: dict[str, Any] = {"dtype": dtype_name, "activation": name, "grad_output": list(dims),
+                                   "bytes_moved": 3 * nbytes, "large": nbytes >= BIAS_LARGE_BYTES,
+                                   "fused_way": info["way"], "fused_launch": info.get("launch"), "errors": {}}
+            fns = activation_variants(dy, saved, name)
+            row["cold_ms_fused"], error = cold_ms(fns["fused"])
+            if error:
+                row["errors"]["fused"] = error
+            runnable = {v: fn for v, fn in fns.items() if v not in row["errors"]}
+            timings = time_side_by_side(runnable, args.warmup, args.iters, "cuda")
+            stream = time_back_to_back(runnable, args.calls, args.repeats, "cuda")
+            row["timings"], row["stream_timings"] = timings, stream
+            for suffix, measured in (("", timings), ("_stream", stream)):
+                for variant, timing in measured.items():
+                    gbps = 3 * nbytes / timing["median_ms"] / 1e6
+                    row[f"{variant}{suffix}_ms"] = timing["median_ms"]
+                    row[f"{variant}{suffix}_fraction"] = gbps / copy_gbps if copy_gbps else None
+                if "fused" in measured and "copy" in measured:
+                    row[f"fused_vs_copy{suffix}"] = measured["copy"]["median_ms"] / measured["fused"]["median_ms"]
+            # Numerics against float64 autograd of the same rounded values (the bias gradient; dz checked by the
+            # tests): relative to the largest |reference|.
+            leaf = z.double().requires_grad_()
+            functions = {"relu": torch.relu, "leaky_relu": lambda t: torch.nn.functional.leaky_relu(t, slope),
+                         "gelu": torch.nn.functional.gelu,
+                         "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+                         "silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh}
+            (reference_dz,) = torch.autograd.grad(functions[activation](leaf), [leaf], dy.double())
+            reference = reference_dz.sum((0, 2, 3))
+            del reference_dz, leaf
+            row["max_rel_error"] = {
+                variant: ((fn()[1].double() - reference).abs().max() / reference.abs().max().clamp_min(1)).item()
+                for variant, fn in runnable.items()
+                if variant != "copy"
+            }
+            rows.append(row)
+            del dy, saved, z, fns, runnable
     return rows
 
 
@@ -237,41 +240,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     copy = measure_copy_bandwidth("cuda", args.warmup, args.iters)
     copy_gbps = copy.get("gbps")
     rows: list[dict[str, Any]] = []
-    for dtype_name in args.dtypes:
-        dtype = DTYPES[dtype_name]
-        seen: set[tuple[int, int, int, int]] = set()
-        for shape in harness.SUITE:
-            ho, wo = shape.out_hw
-            dims = (shape.n, shape.k, ho, wo)
-            if dims in seen:
-                continue
-            seen.add(dims)
-            dy = torch.randn(dims, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
-            nbytes = dy.numel() * dy.element_size()
-            fns = ways(dy)
-            row: dict[str, Any] = {"dtype": dtype_name, "grad_output": list(dims), "bytes": nbytes,
-                                   "large": nbytes >= BIAS_LARGE_BYTES, "errors": {}}
-            for way in ("kernel", "cudnn"):
-                row[f"cold_ms_{way}"], error = cold_ms(fns[way])
-                if error:
-                    row["errors"][way] = error
-            runnable = {name: fn for name, fn in fns.items() if name not in row["errors"]}
-            timings = time_side_by_side(runnable, args.warmup, args.iters, "cuda")
-            row["timings"] = timings
-            stream = time_back_to_back(runnable, args.calls, args.repeats, "cuda")
-            row["stream_timings"] = stream
-            for suffix, measured in (("", timings), ("_stream", stream)):
-                for name, timing in measured.items():
-                    gbps = nbytes / timing["median_ms"] / 1e6
-                    row[f"{name}{suffix}_ms"] = timing["median_ms"]
-                    row[f"{name}{suffix}_fraction"] = gbps / copy_gbps if copy_gbps else None
-            reference = dy.double().sum((0, 2, 3))
-            row["max_rel_error"] = {
-                name: ((fn().double() - reference).abs().max() / reference.abs().max().clamp_min(1)).item()
-                for name, fn in runnable.items()
-            }
-            rows.append(row)
-            del dy
+    for dtype_name, dtype, dims in output_shapes(args.dtypes):
+        dy = torch.randn(dims, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+        nbytes = dy.numel() * dy.element_size()
+        fns = ways(dy)
+        row: dict[str, Any] = {"dtype": dtype_name, "grad_output": list(dims), "bytes": nbytes,
+                               "large": nbytes >= BIAS_LARGE_BYTES, "errors": {}}
+        for way in ("kernel", "cudnn"):
+            row[f"cold_ms_{way}"], error = cold_ms(fns[way])
+            if error:
+                row["errors"][way] = error
+        runnable = {name: fn for name, fn in fns.items() if name not in row["errors"]}
+        timings = time_side_by_side(runnable, args.warmup, args.iters, "cuda")
+        row["timings"] = timings
+        stream = time_back_to_back(runnable, args.calls, args.repeats, "cuda")
+        row["stream_timings"] = stream
+        for suffix, measured in (("", timings), ("_stream", stream)):
+            for name, timing in measured.items():
+                gbps = nbytes / timing["median_ms"] / 1e6
+                row[f"{name}{suffix}_ms"] = timing["median_ms"]
+                row[f"{name}{suffix}_fraction"] = gbps / copy_gbps if copy_gbps else None
+        reference = dy.double().sum((0, 2, 3))
+        row["max_rel_error"] = {
+            name: ((fn().double() - reference).abs().max() / reference.abs().max().clamp_min(1)).item()
+            for name, fn in runnable.items()
+        }
+        rows.append(row)
+        del dy
     columns = [("dtype", "dtype", "s"), ("grad_output", "grad_output", "")]
     for name in (*WAYS, "torch"):
         columns += [
