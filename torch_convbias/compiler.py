@@ -273,13 +273,15 @@ class _Rewriter:
 
     def _in_autocast(self, node: fx.Node) -> bool:
         """Whether an autocast region Dynamo recorded encloses the node (then dtypes may differ, as for conv2d)."""
+        enter = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
+        exit_ = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
         depth = 0
         for n in self.graph.nodes:
             if n is node:
                 return depth > 0
-            if n.op == "call_function" and n.target is torch.amp.autocast_mode._enter_autocast:
+            if n.op == "call_function" and enter is not None and n.target is enter:
                 depth += 1
-            elif n.op == "call_function" and n.target is torch.amp.autocast_mode._exit_autocast:
+            elif n.op == "call_function" and exit_ is not None and n.target is exit_:
                 depth -= 1
         return False
 
