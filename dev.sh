@@ -59,10 +59,25 @@ case "${1:-}" in
     status=0
     if [ "$phase" = all ] || [ "$phase" = tests ]; then
       # The CPU tests run in CI; here the CUDA ones (and every test that takes a device parameter on cuda).
+      # The suite takes longer than one device call allows when run in one process: SHARDS processes (default 3)
+      # share the GPU, each taking every SHARDS-th test file (largest first), each bounded by TEST_TIMEOUT seconds.
       "$PYTHON" -m torch_convbias.doctor > "$out/tests.log" 2>&1 || status=1
-      "$PYTHON" -m pytest tests -q -rs -k "not cpu" -p no:cacheprovider >> "$out/tests.log" 2>&1 || status=1
-      tail -5 "$out/tests.log"
-      grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -20 || true
+      shards=${SHARDS:-3}
+      mapfile -t files < <(ls -S tests/test_*.py)
+      pids=()
+      for ((i = 0; i < shards; i++)); do
+        mine=()
+        for ((j = i; j < ${#files[@]}; j += shards)); do mine+=("${files[j]}"); done
+        timeout "${TEST_TIMEOUT:-540}" "$PYTHON" -m pytest "${mine[@]}" -q -rfEs --tb=short -k "not cpu" \
+          -p no:cacheprovider > "/tmp/convbias-tests-$i.log" 2>&1 &
+        pids+=($!)
+      done
+      for ((i = 0; i < shards; i++)); do
+        wait "${pids[i]}" || status=1
+        { echo "== shard $i"; cat "/tmp/convbias-tests-$i.log"; } >> "$out/tests.log"
+        tail -1 "/tmp/convbias-tests-$i.log"
+      done
+      grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -30 || true
     fi
     if [ "$phase" = all ] || [ "$phase" = bench ]; then
       for name in ${BENCHES:-forward param_grad layerwise bias_grad overhead demo}; do
