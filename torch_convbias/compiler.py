@@ -400,6 +400,19 @@ def rewrite_graph(gm: fx.GraphModule, **options: Any) -> RewriteReport:
     return report
 
 
+def _inductor(mode: str | None, options: dict[str, Any]) -> Callable[..., Any]:
+    """Inductor as torch.compile(mode=..., options=...) would call it: torch's own wrapper (which checks the options
+    and maps the mode to Inductor settings), else compile_fx with the mode's settings and the options as patches."""
+    wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
+    if wrapper is not None:
+        return wrapper(mode, options, None)
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = {**(list_mode_options(mode) if mode else {}), **options}
+    return lambda gm, inputs: compile_fx(gm, inputs, config_patches=patches)
+
+
 def convbias_backend(
     gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None, options: dict[str, Any] | None = None
 ) -> Callable[..., Any]:
@@ -411,7 +424,7 @@ def convbias_backend(
     report = _Rewriter(gm, config).run()
     reports.append(report)
     if config.inner == "inductor":
-        return torch._TorchCompileInductorWrapper(mode, options, None)(gm, list(example_inputs))
+        return _inductor(mode, options)(gm, list(example_inputs))
     if mode is not None or options:
         raise ValueError(f"convbias backend: `mode` and Inductor `options` need convbias.inner='inductor', got {config.inner!r}")
     from torch._dynamo.backends.registry import lookup_backend
