@@ -28,7 +28,6 @@ checked against ``torch_cl``. Results go to JSON (and optionally a PNG). Run fro
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import functools
@@ -428,13 +427,12 @@ def forward_activation_spec(activation: str) -> harness.Spec:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns the exit status (0 also when targets are missed: that is a result)."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--activation", choices=["identity", *ACTIVATION_MODULES], default="identity")
-    known, rest = pre.parse_known_args(argv)
-    if known.activation == "identity":
-        return harness.run(SPEC, harness.parse_args(SPEC, rest), measure)
-    spec = forward_activation_spec(known.activation)
-    return harness.run(spec, harness.parse_args(spec, rest), functools.partial(measure_activation, activation=known.activation))
+    return harness.run_with_activation(
+        argv,
+        lambda activation: SPEC if activation == "identity" else forward_activation_spec(activation),
+        lambda activation: measure if activation == "identity" else functools.partial(measure_activation, activation=activation),
+        ACTIVATION_MODULES,
+    )
 
 
 if __name__ == "__main__":

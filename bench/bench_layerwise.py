@@ -46,7 +46,6 @@ tolerance, atol scaled by max|reference|. Run from the repository root: ``python
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import sys
@@ -475,11 +474,12 @@ def activation_spec(activation: str) -> harness.Spec:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns the exit status (0 also when targets are missed: that is a result)."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--activation", choices=["identity", *ACTIVATION_MODULES], default="identity")
-    known, rest = pre.parse_known_args(argv)
-    spec = SPEC if known.activation == "identity" else activation_spec(known.activation)
-    return harness.run(spec, harness.parse_args(spec, rest), functools.partial(measure, activation=known.activation))
+    return harness.run_with_activation(
+        argv,
+        lambda activation: SPEC if activation == "identity" else activation_spec(activation),
+        lambda activation: functools.partial(measure, activation=activation),
+        ACTIVATION_MODULES,
+    )
 
 
 if __name__ == "__main__":

@@ -729,3 +729,18 @@ def run(
     write_json(results, args.out, spec.name, path)
     report(spec, args, results, path)
     return 0
+
+
+def run_with_activation(
+    argv: Sequence[str] | None,
+    spec_for: Callable[[str], Spec],
+    measure_for: Callable[[str], Measure],
+    activations: Iterable[str],
+) -> int:
+    """``run`` for a benchmark that also takes ``--activation NAME`` (identity by default): the spec and measure of
+    that activation, the rest of the command line as usual."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--activation", choices=["identity", *activations], default="identity")
+    known, rest = pre.parse_known_args(argv)
+    spec = spec_for(known.activation)
+    return run(spec, parse_args(spec, rest), measure_for(known.activation))
