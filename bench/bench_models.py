@@ -16,8 +16,14 @@ A training step is forward, cross-entropy loss, backward and an SGD step (foreac
 itself: a compiled step of a small model measures the host otherwise), and ``step_ms``, steps queued back to back
 (the rate a loop gets). Ratios are the strongest nn side over ours (> 1: ours is faster), on GPU time.
 
-Numerics: each variant's logits (first call, before any parameter update) against the nn model run in float64 on
-the same input: relative RMS error, passing when within twice nn eager's own error plus the mode's rounding bound.
+Numerics: each variant's logits (first call, before any parameter update, eval mode) against the nn model run in
+float64 on the same input: relative RMS error, passing when within twice nn eager's own error plus the mode's
+rounding bound. Inference rows check every variant; training rows the eager ones (a compiled variant would compile
+once more for it), the backend's rewrite being checked by the inference rows and by tests/test_compiler.py.
+
+Defaults: VGG-11 and AlexNet train and infer, ResNet-50 infer (its targets are for inference); each row compiles its
+variants anew (Inductor: tens of seconds per model on the H200), so a device call runs one model at a time, e.g.
+``--models vgg11``.
 
 ``python -m bench.bench_models`` (GPU; torchvision needed) writes ``bench/results/models-<gpu>.json``;
 ``--device cpu --models tiny`` is a smoke test of the script (a small built-in CNN, no torchvision).
@@ -46,6 +52,8 @@ MODELS: dict[str, tuple[int, int, int]] = {
     "resnet50": (128, 256, 224),
     "tiny": (4, 4, 32),
 }
+# (model, phase) pairs left out unless --all-phases: no target, and minutes of compilation.
+SKIPPED_BY_DEFAULT = {("resnet50", "train")}
 # Targets of issue 14 (GPU time): headline = the faster nn compiled variant / ours_backend.
 TARGETS: dict[tuple[str, str], dict[str, float]] = {
     ("vgg11", "train"): {"bf16": 1.12, "tf32": 1.06, "fp32": 1.10},
@@ -153,7 +161,10 @@ def measure(name: str, phase: str, mode: common.Mode, args: argparse.Namespace) 
     fns = variants(model, phase, args.device)
     row: dict[str, Any] = {"model": name, "phase": phase, "mode": mode.name, "batch": batch, "side": side}
     with common.mode_flags(mode, cudnn_benchmark=True):
-        row["numerics"] = numerics(fns, copy.deepcopy(model), x, mode)
+        # Training rows check the eager variants only: checking a compiled one there would compile it once more (eval
+        # mode, no gradients); the inference rows check the compiled graphs, rewritten the same way.
+        checked = fns if phase == "infer" else {v: fns[v] for v in ("nn_eager", "ours_eager")}
+        row["numerics"] = numerics(checked, copy.deepcopy(model), x, mode)
         steps = {variant: make_step(fn, phase, x, target) for variant, fn in fns.items()}
         for step in steps.values():  # compile, autotune, warm
             for _ in range(args.warmup):
@@ -195,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=10, help="steps queued back to back per sample (and profiled)")
     parser.add_argument("--repeats", type=int, default=5, help="samples per variant, variants interleaved")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--all-phases", action="store_true", help="also ResNet-50 training (no target; slow to compile)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     unknown = set(args.models) - set(MODELS)
@@ -203,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {"environment": common.environment(), "config": vars(args), "rows": []}
     for name in args.models:
         for phase in args.phases:
+            if (name, phase) in SKIPPED_BY_DEFAULT and not args.all_phases:
+                continue
             for mode_name in args.modes:
                 mode = common.modes()[mode_name]
                 try:
