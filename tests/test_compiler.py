@@ -10,6 +10,7 @@ Inductor, quick on a CPU) except where Inductor itself is under test.
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 import tomllib
@@ -105,22 +106,31 @@ def test_backend_is_registered_and_declared_as_entry_point() -> None:
     assert entry_points == {"convbias": "torch_convbias.compiler:convbias_backend"}
 
 
-def test_entry_point_loads_without_double_registration() -> None:
-    """As Dynamo does for an installed package: the entry point is discovered first, then loaded on lookup (which
-    imports torch_convbias, whose import must then leave the registration to Dynamo)."""
-    script = (
-        "import torch\n"
-        "from importlib.metadata import EntryPoint\n"
-        "from torch._dynamo.backends import registry\n"
-        "registry._lazy_import()\n"
-        "registry._BACKENDS['convbias'] = EntryPoint('convbias', 'torch_convbias.compiler:convbias_backend', "
-        "'torch_dynamo_backends')\n"
-        "fn = registry.lookup_backend('convbias')\n"
-        "import torch_convbias.compiler as c\n"
-        "assert fn is c.convbias_backend, fn\n"
-        "assert 'convbias' in torch._dynamo.list_backends()\n"
+def test_installed_entry_point_finds_the_backend_without_importing_the_package(tmp_path: Path) -> None:
+    """As for an installed package: a distribution on the path declares the entry point (pyproject's), Dynamo lists
+    the backend before torch_convbias is imported, and torch.compile(backend="convbias") loads it through the entry
+    point (whose import of torch_convbias must then leave the registration to Dynamo)."""
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["torch_dynamo_backends"]
+    info = tmp_path / "torch_convbias-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_convbias\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[torch_dynamo_backends]\n" + "".join(f"{name} = {target}\n" for name, target in declared.items())
     )
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    script = (
+        "import sys, torch\n"
+        "assert 'convbias' in torch._dynamo.list_backends()\n"
+        "assert 'torch_convbias' not in sys.modules\n"
+        "m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())\n"
+        "opts = {'convbias.devices': ('cpu', 'cuda'), 'convbias.inner': 'aot_eager'}\n"
+        "y = torch.compile(m, backend='convbias', options=opts)(torch.randn(1, 3, 6, 6))\n"
+        "import torch_convbias.compiler as c\n"
+        "from torch._dynamo.backends.registry import lookup_backend\n"
+        "assert lookup_backend('convbias') is c.convbias_backend\n"
+        "assert c.reports[-1].count(activation='relu') == 1, c.reports\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -405,7 +415,7 @@ def test_log_switch_in_a_fresh_process() -> None:
         "opts = {'convbias.devices': ('cpu', 'cuda'), 'convbias.inner': 'aot_eager'}\n"
         "torch.compile(m, backend='convbias', options=opts)(torch.randn(1, 3, 6, 6))\n"
     )
-    env = {**__import__("os").environ, "TORCH_CONVBIAS_COMPILE_LOG": "1"}
+    env = {**os.environ, "TORCH_CONVBIAS_COMPILE_LOG": "1"}
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[torch_convbias.compile] rewrote" in result.stderr and "activation silu" in result.stderr
