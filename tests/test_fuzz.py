@@ -10,7 +10,9 @@ case's dtype; our CUDA kernels cuDNN graphs), with tolerances from the dtype. On
 and bias kernel take (channels_last, channel counts in 16-byte rows, larger images), every valid case records the
 path it took (explain / explain_param_grad), and the coverage is printed and asserted: at least half of the valid
 cases run our graphs, a fifth our bias kernel. The seed makes every run draw the same cases; a failure names its
-case number, and ``FUZZ_CASES`` / ``FUZZ_SEED`` change the count and the draw.
+case number, and ``FUZZ_CASES`` / ``FUZZ_SEED`` change the count and the draw. Half of the draws also apply an activation (relu,
+leaky_relu with a positive or negative slope, gelu, gelu_tanh, silu, sigmoid, tanh), which the oracle applies in
+float64 after its convolution; on CUDA, how many of those ran in the forward graph's epilogue is counted.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ OUR_ERRORS = (ValueError, TypeError)
 # (1, 0) returned a result). They are invalid all the same (F.conv2d rejects them on the CPU), so ours must reject
 # them on every device.
 ATEN_LENIENT_BREAKAGES = {"zero-dilation"}
+# Breakages of the activation alone, which F.conv2d does not take: invalid for the forward, irrelevant to param_grad.
+ACTIVATION_BREAKAGES = {"unknown-activation", "non-finite-slope"}
 
 
 @dataclass
@@ -59,6 +63,9 @@ class Case:
     layout: str  # "contiguous", "channels_last" or "strided" (a non-contiguous view)
     bias: bool
     input_grad: bool
+    # The activation applied by the op (and, in float64, after the oracle's convolution) and leaky_relu's slope.
+    activation: str = "identity"
+    negative_slope: float = 0.01
     # What is broken on purpose (None for a valid draw) and the tensors' overrides that break it.
     broken: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -95,9 +102,28 @@ def draw(rng: random.Random, dtypes: dict[torch.dtype, str], device: str = "cpu"
         bias=rng.random() < 0.8,
         input_grad=rng.random() < 0.4,
     )
+    if rng.random() < 0.5:
+        case.activation = rng.choice(sorted(ORACLE_ACTIVATIONS))
+        case.negative_slope = rng.choice([0.01, 0.2, -0.3]) if case.activation == "leaky_relu" else 0.01
     if case.padding == "same" and case.stride != 1:
         case.stride = 1  # a valid draw; strided 'same' is among the broken ones below
     return breakage(rng, case) if rng.random() < 0.3 else case
+
+
+# The op's activations (besides identity) as the oracle applies them, in float64 after F.conv2d.
+ORACLE_ACTIVATIONS: dict[str, Any] = {
+    "relu": lambda t, slope: F.relu(t),
+    "leaky_relu": lambda t, slope: F.leaky_relu(t, slope),
+    "gelu": lambda t, slope: F.gelu(t),
+    "gelu_tanh": lambda t, slope: F.gelu(t, approximate="tanh"),
+    "silu": lambda t, slope: F.silu(t),
+    "sigmoid": lambda t, slope: torch.sigmoid(t),
+    "tanh": lambda t, slope: torch.tanh(t),
+}
+
+
+def activated(case: Case, t: torch.Tensor) -> torch.Tensor:
+    return t if case.activation == "identity" else ORACLE_ACTIVATIONS[case.activation](t, case.negative_slope)
 
 
 # name -> how to break a valid case (F.conv2d then rejects it; ours must too).
@@ -115,6 +141,8 @@ BREAKAGES = {
     "integer-input": lambda rng, c: replace(c, overrides={"int_input": True}),
     "weight-rank": lambda rng, c: replace(c, overrides={"weight_rank3": True}),
     "input-rank-5": lambda rng, c: replace(c, overrides={"input_rank5": True}),
+    "unknown-activation": lambda rng, c: replace(c, activation=rng.choice(["swish", "RELU", "hardtanh"])),
+    "non-finite-slope": lambda rng, c: replace(c, activation="leaky_relu", negative_slope=rng.choice([float("nan"), float("inf")])),
 }
 
 
@@ -157,8 +185,10 @@ def tensors(case: Case, device: str, gen: torch.Generator) -> tuple[torch.Tensor
 
 
 def call(fn: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, case: Case, dilation: Any = None) -> torch.Tensor:
+    """``fn`` (F.conv2d, or conv_bias2d with the case's activation) on the case's conv parameters."""
     dilation = case.dilation if dilation is None else dilation
-    return fn(x, w, b, stride=case.stride, padding=case.padding, dilation=dilation, groups=case.groups)
+    extra = {"activation": case.activation, "negative_slope": case.negative_slope} if fn is conv_bias2d else {}
+    return fn(x, w, b, stride=case.stride, padding=case.padding, dilation=dilation, groups=case.groups, **extra)
 
 
 def oracle_dilation(case: Case, w: torch.Tensor) -> Any:
@@ -187,7 +217,7 @@ def grads(out: torch.Tensor, seed: torch.Tensor, params: list[torch.Tensor]) -> 
 def float64_oracle(case: Case, ts: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """F.conv2d in float64 on the CPU (NCHW leaves copied from the case's tensors), and the leaves that need grads."""
     leaves = [t.detach().cpu().double().contiguous().requires_grad_(t.requires_grad) if t is not None else None for t in ts]
-    expected = call(F.conv2d, *leaves, case, oracle_dilation(case, leaves[1]))
+    expected = activated(case, call(F.conv2d, *leaves, case, oracle_dilation(case, leaves[1])))
     return expected, [t for t in leaves if t is not None and t.requires_grad]
 
 
@@ -197,6 +227,12 @@ def record_path(case: Case, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | 
     info = torch_convbias.explain(x.detach(), w.detach(), b.detach() if b is not None else None, stride=case.stride,
                                   padding=case.padding, dilation=case.dilation, groups=case.groups)  # fmt: skip
     coverage["graph_forward"] += info["path"] != "aten"
+    if case.activation != "identity":
+        info = torch_convbias.explain(x.detach(), w.detach(), b.detach() if b is not None else None, stride=case.stride,
+                                      padding=case.padding, dilation=case.dilation, groups=case.groups,
+                                      activation=case.activation, negative_slope=case.negative_slope)  # fmt: skip
+        coverage["activation_cases"] += 1
+        coverage["activation_epilogue"] += bool(info["activation"]["fused"])
     if isinstance(case.padding, str) and case.padding != "valid":
         return  # 'same' may pad the input first: param_grad then sees another input than this one
     grad = torch_convbias.explain_param_grad(grad_output, x.detach(), w.detach(), stride=case.stride,
@@ -214,7 +250,7 @@ def run_case(number: int, case: Case, device: str, dtypes: dict[torch.dtype, str
     x, w, b = tensors(case, device, gen)
     ox, ow, ob = (oracle_leaf(t) for t in (x, w, b)) if device == "cpu" else (x, w, b)
     try:
-        if case.broken in ATEN_LENIENT_BREAKAGES:
+        if case.broken in ATEN_LENIENT_BREAKAGES | ACTIVATION_BREAKAGES:
             raise ValueError(f"{case.broken} is invalid, whatever F.conv2d does with it")
         call(F.conv2d, ox, ow, ob, case, oracle_dilation(case, w) if device == "cpu" else None)
     except Exception:  # noqa: BLE001 - whatever F.conv2d rejects, ours must reject with its own error
@@ -320,7 +356,7 @@ def test_fuzz_param_grad(device: str, record_property: Any) -> None:
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_fuzz_cuda(record_property: Any) -> None:
-    coverage = {"graph_forward": 0, "graph_weight_grad": 0, "bias_kernel": 0}
+    coverage = {"graph_forward": 0, "graph_weight_grad": 0, "bias_kernel": 0, "activation_cases": 0, "activation_epilogue": 0}
     counts = fuzz("cuda", CUDA_DTYPES, coverage=coverage)
     record_property("fuzz_counts", {**counts, **coverage})
     print(f"fuzz cuda: {CASES} cases, {counts}, paths of the valid ones: {coverage}")
@@ -329,6 +365,8 @@ def test_fuzz_cuda(record_property: Any) -> None:
     assert coverage["graph_forward"] >= counts["valid"] // 2, coverage
     assert coverage["graph_weight_grad"] >= counts["valid"] // 4, coverage
     assert coverage["bias_kernel"] >= counts["valid"] // 5, coverage
+    # Activations drawn in numbers, and some of them run in the forward graph's epilogue.
+    assert coverage["activation_cases"] >= counts["valid"] // 4 and coverage["activation_epilogue"] > 0, coverage
 
 
 # Problems on which ATen's CPU convolution (torch 2.14.1) segfaults, found by the fuzzing above: ours must run
