@@ -210,6 +210,18 @@ def test_compile_fullgraph_forward_and_backward() -> None:
     torch.testing.assert_close(gw, want)
 
 
+def test_autocast_then_autograd_on_cpu() -> None:
+    """Under autocast forward casts to bfloat16 first; its autograd then runs the op on the cast tensors."""
+    x, w, b = problem("cpu", torch.float32, torch.channels_last)
+    w.requires_grad_()
+    b.requires_grad_()
+    with OpRecorder() as recorder, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = conv_bias2d(x, w, b, padding=1, activation="gelu")
+    assert out.dtype == torch.bfloat16 and recorder.names.count("convbias._forward_with_preactivation") == 1
+    out.float().sum().backward()
+    assert w.grad is not None and w.grad.dtype == torch.float32 and b.grad is not None
+
+
 # ---- CUDA (not yet run on a GPU) ----
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -366,6 +378,23 @@ def test_cuda_opcheck() -> None:
     for fmt in (torch.channels_last, torch.contiguous_format):
         x, w, b = cuda_problem(torch.float16, 12, fmt=fmt)
         torch.library.opcheck(op.default, args(x, w, b, "gelu", 0.01))
+
+
+@needs_cuda
+def test_cuda_graph_capture_of_the_op() -> None:
+    """During capture the plan is chosen untimed and nothing runs outside the captured work; replays are right."""
+    x, w, b = cuda_problem(torch.float16, 21)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            out, z = op(*args(x, w, b, "silu", 0.01))
+    torch.cuda.current_stream().wait_stream(stream)
+    x.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    check_both(out, z, x, w, b, "silu", 0.01)
 
 
 STORE_SCRIPT = r"""
