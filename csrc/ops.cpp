@@ -13,7 +13,7 @@ TORCH_LIBRARY(convbias, m) {
   // Internal, for forward's autograd (csrc/autograd.cpp) with an activation whose derivative needs the pre-activation
   // (gelu, gelu_tanh, silu, leaky_relu with a negative slope): (act(z), z) for z = F.conv2d(input, weight, bias, ...),
   // both of forward's output shape, dtype and memory format, in one call. On CUDA (channels_last) one cuDNN graph
-  // writes both (the activation reading the FP32 z; csrc/cuda/fprop.h); elsewhere z is rounded to the dtype first and
+  // writes both (the activation may read the FP32 z; csrc/cuda/fprop.h); elsewhere z is rounded to the dtype first and
   // the activation applied to it out of place. No autograd of its own: it is called below autograd.
   m.def(
       "_forward_with_preactivation(Tensor input, Tensor weight, Tensor? bias, SymInt[2] stride, SymInt[2] padding, "

@@ -32,7 +32,7 @@ at::Tensor forward_reference(
 
 // (act(z), z) for z = conv(input, weight) + bias by ATen: z rounded to the input's dtype first, then the activation
 // applied to it out of place (for identity a copy, so that the two outputs never alias). The second rounding is what
-// the CUDA route without the activation in its graph computes too; a graph writing both reads the FP32 z instead, so
+// the CUDA route without the activation in its graph computes too; a graph writing both may read the FP32 z instead, so
 // 16-bit outputs may differ from this by one rounding of the activation's input. Both tensors in the layout
 // F.conv2d returns. Arguments must have passed check_forward_args.
 std::tuple<at::Tensor, at::Tensor> forward_with_preactivation_reference(

@@ -238,7 +238,7 @@ def cuda_problem(dtype: torch.dtype, hw: int, bias: bool = True, fmt: torch.memo
 
 def check_both(out: torch.Tensor, z: torch.Tensor, x, w, b, name: str, slope: float) -> None:  # type: ignore[no-untyped-def]
     """z against a float32 conv (TF32 off) + bias, out against the activation of that (not of z rounded: the graph's
-    activation reads the FP32 sum)."""
+    activation may read the FP32 sum)."""
     saved = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     try:

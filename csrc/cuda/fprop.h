@@ -92,7 +92,7 @@ std::shared_ptr<const FpropPlan> fprop_plan(
 
 // (act(z), z) for z = conv(x, w) + b by `plan` for a keep_preactivation problem, on the current stream, in the
 // problem's layout, two new tensors: one graph writing both where the plan has the epilogue (the activation then
-// reads the FP32 z, so 16-bit outputs may differ from act(z rounded) by one rounding), else the graph writing z and
+// may read the FP32 z, so 16-bit outputs may differ from act(z rounded) by one rounding), else the graph writing z and
 // ATen's activation out of place. Not for the ATen path.
 std::pair<at::Tensor, at::Tensor> run_fprop_with_preactivation(
     const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
