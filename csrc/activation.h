@@ -10,7 +10,9 @@
 //                                                                    its own weight needs a gradient (else N*K*H*W*s)
 //   leaky_relu             the output when negative_slope >= 0 (its sign is the input's), as relu; else the
 //                          pre-activation                            N*K*H*W*s
-//   gelu, gelu_tanh, silu  the pre-activation                        N*K*H*W*s
+//   gelu, gelu_tanh, silu  the pre-activation                        N*K*H*W*s (written by the forward itself:
+//                                                                    convbias::_forward_with_preactivation, on CUDA
+//                                                                    the same cuDNN graph as the output)
 // The backward then allocates the gradient at the pre-activation, dz (N*K*H*W*s, written once by
 // convbias::_activation_backward together with the bias gradient), plus a few KiB of FP32 partial sums; the weight and
 // input gradients are taken of dz. (A 1-bit mask for relu, N*K*H*W/8 bytes, would be cheaper only where nothing

@@ -1,9 +1,10 @@
 // Autograd of the convbias ops, in C++ so that no call pays for Python:
 // - forward: the weight and bias gradients come from convbias::param_grad in one call, the input gradient
 //   (ATen's convolution backward) only when the input requires grad, which it never does in layer-by-layer
-//   training where inputs are detached. With an activation, convbias::_activation_backward first gives the gradient
-//   at the convolution's output (dz) and, in the same pass, the bias gradient; param_grad then computes the weight
-//   gradient of dz alone;
+//   training where inputs are detached. An activation whose derivative needs the pre-activation runs
+//   convbias::_forward_with_preactivation (both tensors from one call) and keeps the pre-activation. With an
+//   activation, convbias::_activation_backward first gives the gradient at the convolution's output (dz) and, in the
+//   same pass, the bias gradient; param_grad then computes the weight gradient of dz alone;
 // - param_grad and _activation_backward: not differentiable; when their inputs require grad (create_graph=True
 //   through forward) their outputs get a backward that raises NotImplementedError, rather than silently wrong
 //   second-order gradients.
@@ -61,6 +62,27 @@ ActivationBackwardResult activation_backward_call(
   return op.call(grad_output, saved, activation, negative_slope, bias_grad);
 }
 
+// convbias::_forward_with_preactivation through the dispatcher (below autograd: it has no autograd kernel):
+// (act(z), z) in one call, on CUDA one cuDNN graph writing both.
+std::tuple<at::Tensor, at::Tensor> forward_with_preactivation_call(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding,
+    c10::SymIntArrayRef dilation,
+    const c10::SymInt& groups,
+    c10::string_view activation,
+    double negative_slope) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("convbias::_forward_with_preactivation", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(
+                                 const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                 c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymInt,
+                                 c10::string_view, double)>();
+  return op.call(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
+}
+
 class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
  public:
   static at::Tensor forward(
@@ -89,9 +111,10 @@ class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
       output = forward_symint(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
       for_derivative = spec.is_identity() ? at::Tensor() : output;
     } else {
-      // The derivative needs the pre-activation: conv + bias, kept, and the activation of it out of place.
-      for_derivative = forward_symint(input, weight, bias, stride, padding, dilation, groups);
-      output = activation_of(for_derivative, spec);
+      // The derivative needs the pre-activation z = conv + bias: one call returns act(z) and z (on CUDA channels_last
+      // one cuDNN graph writing both).
+      std::tie(output, for_derivative) = forward_with_preactivation_call(
+          input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
     }
     // The input is needed for the weight gradient only: a frozen weight's layer keeps no activation alive. Without
     // it, param_grad (bias gradient alone) gets a stand-in of the input's shape that owns one element.

@@ -10,6 +10,14 @@ TORCH_LIBRARY(convbias, m) {
   m.def(
       "forward(Tensor input, Tensor weight, Tensor? bias, SymInt[2] stride, SymInt[2] padding, "
       "SymInt[2] dilation, SymInt groups, str activation=\"identity\", float negative_slope=0.01) -> Tensor");
+  // Internal, for forward's autograd (csrc/autograd.cpp) with an activation whose derivative needs the pre-activation
+  // (gelu, gelu_tanh, silu, leaky_relu with a negative slope): (act(z), z) for z = F.conv2d(input, weight, bias, ...),
+  // both of forward's output shape, dtype and memory format, in one call. On CUDA (channels_last) one cuDNN graph
+  // writes both (the activation may read the FP32 z; csrc/cuda/fprop.h); elsewhere z is rounded to the dtype first and
+  // the activation applied to it out of place. No autograd of its own: it is called below autograd.
+  m.def(
+      "_forward_with_preactivation(Tensor input, Tensor weight, Tensor? bias, SymInt[2] stride, SymInt[2] padding, "
+      "SymInt[2] dilation, SymInt groups, str activation, float negative_slope) -> (Tensor output, Tensor preactivation)");
   // Gradients of forward's parameters: output_mask = (weight, bias) says which to compute; the others are None.
   // grad_weight has weight's shape and memory format; grad_bias has shape [out_channels].
   m.def(
@@ -25,10 +33,12 @@ TORCH_LIBRARY(convbias, m) {
       "-> (Tensor grad_z, Tensor? grad_bias)");
   // Diagnostics (torch_convbias.explain, cache_info, cache_clear, versions).
   // The path forward takes for these arguments, as JSON: fused or not, engine, workspace, build time, and
-  // why alternatives were rejected. Builds (and caches) the plan if needed, exactly as forward would.
+  // why alternatives were rejected. Builds (and caches) the plan if needed, exactly as forward would. for_backward:
+  // the path forward takes under autograd instead (_forward_with_preactivation where the activation's derivative
+  // needs the pre-activation; the same path otherwise).
   m.def(
       "_explain(Tensor input, Tensor weight, Tensor? bias, int[2] stride, int[2] padding, int[2] dilation, "
-      "int groups, str activation=\"identity\", float negative_slope=0.01) -> str");
+      "int groups, str activation=\"identity\", float negative_slope=0.01, bool for_backward=False) -> str");
   // The way param_grad computes the weight and bias gradients for these arguments, as JSON (graph or ATen and why,
   // engine, timings; the bias gradient's way and launch configuration). Builds and caches plans as param_grad would.
   m.def(

@@ -30,6 +30,26 @@ at::Tensor forward_reference(
     int64_t groups,
     const ActivationSpec& activation = {});
 
+// (act(z), z) for z = conv(input, weight) + bias by ATen: z rounded to the input's dtype first, then the activation
+// applied to it out of place (for identity a copy, so that the two outputs never alias). The second rounding is what
+// the CUDA route without the activation in its graph computes too; a graph writing both may read the FP32 z instead, so
+// 16-bit outputs may differ from this by one rounding of the activation's input. Both tensors in the layout
+// F.conv2d returns. Arguments must have passed check_forward_args.
+std::tuple<at::Tensor, at::Tensor> forward_with_preactivation_reference(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    const ActivationSpec& activation);
+
+// act(z) of a forward's pre-activation z, as a new tensor with the strides of `format` (a copy for identity): the
+// activation pass of the routes that keep z.
+at::Tensor activation_after_preactivation(
+    const at::Tensor& z, const ActivationSpec& activation, at::MemoryFormat format);
+
 // grad_output.sum((0, 2, 3)) with FP32 accumulation (FP64 for double), rounded once to grad_output's dtype, as ATen's
 // convolution_backward computes the bias gradient.
 at::Tensor bias_grad_reference(const at::Tensor& grad_output);

@@ -501,7 +501,8 @@ def test_explain_reports_the_activation_on_cuda() -> None:
     check_consistent(info, "silu")
     identity = torch_convbias.explain(x, w, b, padding=1)
     assert identity["activation"] == {
-        "name": "identity", "fused": False, "how": "none", "why": "", "epilogue_ms": -1, "separate_ms": -1
+        "name": "identity", "fused": False, "how": "none", "why": "", "epilogue_ms": -1, "separate_ms": -1,
+        "keeps_preactivation": False, "preactivation_output": False,
     }, identity["activation"]
     assert "RELU_FWD" not in identity["graph_ops"] and "activation" not in identity["problem"], identity
 
@@ -511,7 +512,8 @@ def test_explain_on_cpu_reports_atens_activation() -> None:
     cpu = json.loads(torch.ops.convbias._explain(x, w, b, [1, 1], [1, 1], [1, 1], 1, "silu", 0.01))
     assert cpu["path"] == "aten" and cpu["graph_ops"] == [], cpu
     assert cpu["activation"] == {
-        "name": "silu", "fused": False, "how": "ATen, before the result is rounded", "why": "CPU tensors: no cuDNN graph"
+        "name": "silu", "fused": False, "how": "ATen, before the result is rounded", "why": "CPU tensors: no cuDNN graph",
+        "keeps_preactivation": False,
     }, cpu
     # The test hook is callable anywhere (it only arms the CUDA path's graph building).
     torch.ops.convbias._inject_epilogue_rejections(0)

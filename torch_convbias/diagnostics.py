@@ -40,6 +40,7 @@ def explain(
     groups: int = 1,
     activation: str = "identity",
     negative_slope: float = 0.01,
+    for_backward: bool = False,
 ) -> dict[str, Any]:
     """The path ``conv_bias2d`` with these arguments takes, under the current torch flags.
 
@@ -53,16 +54,32 @@ def explain(
     e.g. ``["CONV_FPROP", "ADD", "RELU_FWD"]``; empty on the ATen path), ``activation`` (``name``; ``fused``: true when
     the activation is the graph's last node, its epilogue, false when ATen's pointwise kernel runs it after the graph
     or after ATen's convolution; ``how``; ``why``: the graph that cuDNN rejected, the knob, or the timings;
-    ``epilogue_ms`` / ``separate_ms``: the two routes, measured when choices are timed, -1 otherwise), ``cached`` and
-    ``plan_build_seconds``. Builds and caches the plan if needed, exactly as the
-    call would; on CUDA that may run the convolution a few times to time candidates.
+    ``epilogue_ms`` / ``separate_ms``: the two routes, measured when choices are timed, -1 otherwise;
+    ``keeps_preactivation``; ``preactivation_output``: the graph writes the pre-activation too), ``graph_outputs``
+    (what the graph writes: ``["output"]``, or ``["output", "preactivation"]``), ``cached`` and
+    ``plan_build_seconds``. Builds and caches the plan if needed, exactly as the call would; on CUDA that may run the
+    convolution a few times to time candidates.
+
+    ``for_backward=True`` explains the call as autograd makes it when a gradient is needed: gelu, gelu_tanh, silu and
+    leaky_relu with a negative slope then keep the pre-activation for their derivative
+    (``torch.ops.convbias._forward_with_preactivation``: on CUDA channels_last one graph writing both tensors, its own
+    plan); the other activations take the same path as without it.
     """
     stride, dilation = _pair("stride", stride), _pair("dilation", dilation)
     if isinstance(padding, str):
         input, padding = _resolve_string_padding(input, weight, padding, stride, dilation)
     return json.loads(
         torch.ops.convbias._explain(
-            input, weight, bias, stride, _pair("padding", padding), dilation, groups, activation, float(negative_slope)
+            input,
+            weight,
+            bias,
+            stride,
+            _pair("padding", padding),
+            dilation,
+            groups,
+            activation,
+            float(negative_slope),
+            for_backward,
         )
     )
 

@@ -5,7 +5,8 @@ The schemas and the CPU/CUDA/autocast kernels are registered in C++ (``csrc/``);
 what torch.compile and autograd need:
 
 * fake kernels (``torch.library.register_fake``) giving the output's shape, dtype, device and memory format (also of
-  ``convbias::_activation_backward``, the activation's derivative fused with the bias gradient, which the autograd of
+  ``convbias::_activation_backward``, the activation's derivative fused with the bias gradient, and of
+  ``convbias::_forward_with_preactivation``, the output with the pre-activation, both of which the autograd of
   forward calls);
 * ``setup_context``/``backward`` for :class:`torch_convbias.ConvBiasFunction`.
 
@@ -48,6 +49,23 @@ def _forward_fake(
         device=input.device,
         memory_format=_validation.output_memory_format(input, weight),
     )
+
+
+@torch.library.register_fake("convbias::_forward_with_preactivation")
+def _forward_with_preactivation_fake(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    activation: str,
+    negative_slope: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, preactivation): two distinct tensors, each as forward's output (shape, dtype, memory format)."""
+    output = _forward_fake(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope)
+    return output, torch.empty_like(output)
 
 
 @torch.library.register_fake("convbias::param_grad")

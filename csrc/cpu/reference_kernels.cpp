@@ -45,6 +45,27 @@ at::Tensor forward_reference(
   return with_layout(out, output_memory_format(input, weight));
 }
 
+at::Tensor activation_after_preactivation(
+    const at::Tensor& z, const ActivationSpec& activation, at::MemoryFormat format) {
+  // ATen's pointwise kernels keep a channels_last input's layout; with_layout pins the exact strides.
+  const at::Tensor out = activation.is_identity() ? z.clone(format) : activation_of(z, activation);
+  return with_layout(out, format);
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_with_preactivation_reference(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    const ActivationSpec& activation) {
+  at::Tensor z = forward_reference(input, weight, bias, stride, padding, dilation, groups);
+  at::Tensor out = activation_after_preactivation(z, activation, output_memory_format(input, weight));
+  return {std::move(out), std::move(z)};
+}
+
 namespace {
 
 // convbias::forward on the CPU: every call runs the ATen reference.
@@ -61,6 +82,22 @@ at::Tensor forward_cpu(
   const ActivationSpec spec =
       check_forward_call(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope).second;
   return forward_reference(input, weight, bias, stride, padding, dilation, groups, spec);
+}
+
+// convbias::_forward_with_preactivation on the CPU: the ATen reference (z rounded, then the activation of it).
+std::tuple<at::Tensor, at::Tensor> forward_with_preactivation_cpu(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    c10::string_view activation,
+    double negative_slope) {
+  const ActivationSpec spec =
+      check_forward_call(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope).second;
+  return forward_with_preactivation_reference(input, weight, bias, stride, padding, dilation, groups, spec);
 }
 
 } // namespace
@@ -114,15 +151,20 @@ std::string explain_cpu(
     at::IntArrayRef dilation,
     int64_t groups,
     c10::string_view activation,
-    double negative_slope) {
+    double negative_slope,
+    bool for_backward) {
   const ActivationSpec spec =
       check_forward_call(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope).second;
+  const bool keeps = for_backward && !spec.is_identity() && !spec.backward_from_output();
   return Json{
       {"path", "aten"},
       {"activation",
        {{"name", activation_name(spec.kind)},
         {"fused", false},
-        {"how", "ATen, before the result is rounded"},
+        {"keeps_preactivation", keeps},
+        {"how",
+         keeps ? "ATen, out of place over the pre-activation rounded to the dtype (both kept)"
+               : "ATen, before the result is rounded"},
         {"why", "CPU tensors: no cuDNN graph"}}},
       {"graph_ops", Json::array()},
       {"notes", Json::array({"CPU tensors run ATen's convolution (the reference path)"})}}
@@ -147,6 +189,7 @@ std::string explain_param_grad_cpu(
 
 TORCH_LIBRARY_IMPL(convbias, CPU, m) {
   m.impl("forward", &forward_cpu);
+  m.impl("_forward_with_preactivation", &forward_with_preactivation_cpu);
   m.impl("param_grad", &param_grad_reference);
   m.impl("_explain", &explain_cpu);
   m.impl("_explain_param_grad", &explain_param_grad_cpu);

@@ -1,5 +1,6 @@
 // CUDA kernels of the convbias ops. forward runs the cuDNN graph chosen for the problem (fused conv+bias, with the
-// activation in its epilogue where that graph builds; conv + bias add; or ATen where no graph builds). param_grad:
+// activation in its epilogue where that graph builds; conv + bias add; or ATen where no graph builds).
+// _forward_with_preactivation: the same, the graph writing the pre-activation too. param_grad:
 // the weight gradient on a conv_wgrad graph for channels_last tensors (TORCH_CONVBIAS_PARAM_GRAD=aten forces ATen),
 // the bias gradient by our kernel.
 // _activation_backward: the activation's derivative and the bias gradient in one kernel where it applies
@@ -44,6 +45,37 @@ at::Tensor forward_cuda(
   return cuda::run_fprop(*route.plan, prepared.problem, prepared.x, prepared.w, prepared.b);
 }
 
+// (act(z), z): channels_last problems run the plan of the graph writing both (or the graph writing z, then ATen's
+// activation out of place, where that plan was chosen); NCHW ones conv + bias's own plan, then the activation; ATen
+// routes ATen's convolution, then the activation.
+std::tuple<at::Tensor, at::Tensor> forward_with_preactivation_cuda(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    c10::string_view activation,
+    double negative_slope) {
+  const auto [params, spec] =
+      check_forward_call(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params, spec, /*keep_preactivation=*/true);
+  if (route.aten_reason || route.plan->path == cuda::FpropPath::Aten) {
+    return forward_with_preactivation_reference(input, weight, bias, stride, padding, dilation, groups, spec);
+  }
+  const cuda::PreparedForward& prepared = *route.prepared;
+  if (!prepared.problem.keep_preactivation) {
+    // Identity, or an NCHW problem (route.activation_after): z by conv + bias's plan, the activation after it.
+    at::Tensor z = cuda::run_fprop(*route.plan, prepared.problem, prepared.x, prepared.w, prepared.b);
+    at::Tensor out = activation_after_preactivation(z, spec, output_memory_format(input, weight));
+    return {std::move(out), std::move(z)};
+  }
+  auto [out, z] = cuda::run_fprop_with_preactivation(*route.plan, prepared.problem, prepared.x, prepared.w, prepared.b);
+  return {std::move(out), std::move(z)};
+}
+
 std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_cuda(
     const at::Tensor& grad_output,
     const at::Tensor& input,
@@ -86,6 +118,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> activation_backward_cuda(
 
 TORCH_LIBRARY_IMPL(convbias, CUDA, m) {
   m.impl("forward", &forward_cuda);
+  m.impl("_forward_with_preactivation", &forward_with_preactivation_cuda);
   m.impl("param_grad", &param_grad_cuda);
   m.impl("_activation_backward", &activation_backward_cuda);
   m.impl("_bias_grad", &cuda::bias_grad_with);

@@ -96,11 +96,19 @@ Json bias_grad_json(const at::Tensor& grad_output) {
 }
 
 // Where the activation runs: fused (the graph's last node) or ATen's pass after the graph or after ATen's
-// convolution, and why (`plan` null: ATen before any graph, for `aten_reason`).
-Json activation_json(const ActivationSpec& spec, const cuda::FpropPlan* plan, const std::string& aten_reason) {
+// convolution, and why (`plan` null: ATen before any graph, for `aten_reason`). `keeps`: the call keeps the
+// pre-activation (explain's for_backward, the autograd's _forward_with_preactivation); `after`: the plan is conv +
+// bias alone and the activation runs after it (an NCHW problem keeping the pre-activation).
+Json activation_json(
+    const ActivationSpec& spec, const cuda::FpropPlan* plan, const std::string& aten_reason, bool keeps = false,
+    bool after = false) {
+  const bool fused = plan != nullptr && plan->activation_fused && !after;
   Json j{
       {"name", activation_name(spec.kind)},
-      {"fused", plan != nullptr && plan->activation_fused},
+      {"fused", fused},
+      {"keeps_preactivation", keeps},
+      // The graph writes both the pre-activation and the activation: one graph, two outputs.
+      {"preactivation_output", fused && plan->preactivation_output},
       {"how", "none"},
       {"why", ""},
       {"epilogue_ms", number(plan != nullptr ? plan->epilogue_ms : -1.0f)},
@@ -108,20 +116,33 @@ Json activation_json(const ActivationSpec& spec, const cuda::FpropPlan* plan, co
   if (spec.is_identity()) {
     return j;
   }
+  const std::string kept = keeps ? ", out of place over the pre-activation (both kept)" : "";
   if (plan == nullptr || plan->path == cuda::FpropPath::Aten) {
-    j["how"] = "ATen's pointwise kernel after ATen's convolution";
+    j["how"] = "ATen's pointwise kernel after ATen's convolution" + kept;
     const std::string why = plan == nullptr ? aten_reason : plan->activation_why;
     j["why"] = why.empty() ? "ATen's convolution runs this problem (see notes)" : why;
-  } else if (plan->activation_fused) {
+  } else if (after) {
+    j["how"] = "ATen's pointwise kernel over the conv + bias plan's output" + kept;
+    j["why"] = "NCHW tensors keeping the pre-activation run conv + bias's own plan, then the activation";
+  } else if (fused) {
     j["how"] = std::string("in the cuDNN graph's epilogue: ") +
         (plan->path == cuda::FpropPath::Fused ? "conv -> bias add" : "conv") + " -> " + cuda::epilogue_operation(spec) +
-        ", FP32, one output write";
+        ", FP32, " +
+        (plan->preactivation_output ? "two output writes (the pre-activation, then the activation)"
+                                    : "one output write");
     j["why"] = plan->activation_why;
   } else {
-    j["how"] = "ATen's pointwise kernel over the cuDNN graph's output";
+    j["how"] = "ATen's pointwise kernel over the cuDNN graph's output" + kept;
     j["why"] = plan->activation_why.empty() ? "the graph without the activation was chosen" : plan->activation_why;
   }
   return j;
+}
+
+Json graph_outputs_json(const cuda::FpropPlan& plan) {
+  if (!plan.graph) {
+    return Json::array();
+  }
+  return plan.preactivation_output ? Json::array({"output", "preactivation"}) : Json::array({"output"});
 }
 
 std::string explain_param_grad_cuda(
@@ -195,16 +216,19 @@ std::string explain_cuda(
     at::IntArrayRef dilation,
     int64_t groups,
     c10::string_view activation,
-    double negative_slope) {
+    double negative_slope,
+    bool for_backward) {
   const auto [params, spec] =
       check_forward_call(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
   const c10::cuda::CUDAGuard device_guard(input.device());
   Json out{{"math", math_json()}};
-  const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params, spec);
+  // Under autograd, forward runs _forward_with_preactivation for these activations (csrc/autograd.cpp).
+  const bool keeps = for_backward && !spec.is_identity() && !spec.backward_from_output();
+  const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params, spec, keeps);
   if (route.aten_reason) {
     out["path"] = "aten";
     out["notes"] = Json::array({*route.aten_reason});
-    out["activation"] = activation_json(spec, nullptr, *route.aten_reason);
+    out["activation"] = activation_json(spec, nullptr, *route.aten_reason, keeps);
     return out.dump();
   }
   const cuda::PreparedForward& prepared = *route.prepared;
@@ -227,7 +251,9 @@ std::string explain_cuda(
       {"aten_ms", number(plan->aten_ms)},
       {"alignment", {{"input", a[0]}, {"weight", a[1]}, {"bias", a[2]}, {"output", a[3]}}},
       {"graph_ops", plan->graph_ops},
-      {"activation", activation_json(spec, plan.get(), "")},
+      // The tensors the graph writes: "output", and "preactivation" when the epilogue graph keeps it.
+      {"graph_outputs", graph_outputs_json(*plan)},
+      {"activation", activation_json(spec, plan.get(), "", keeps, route.activation_after)},
       {"notes", plan->notes}});
   if (plan->path != cuda::FpropPath::Aten) {
     out["engine"] = engine_json(plan->engine);

@@ -28,7 +28,7 @@ std::optional<std::string> aten_only_reason(const at::Tensor& input, const at::T
 
 PreparedForward prepare_forward(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params,
-    const ActivationSpec& activation) {
+    const ActivationSpec& activation, bool keep_preactivation) {
   PreparedForward p;
   const at::MemoryFormat format = output_memory_format(input, weight);
   // Graphs take fully packed tensors in one layout; others are copied once here.
@@ -40,18 +40,22 @@ PreparedForward prepare_forward(
   }
   p.problem = make_problem(
       p.x, p.w, p.b, output_size(input, weight, params), params, format == at::MemoryFormat::ChannelsLast, activation);
+  p.problem.keep_preactivation = keep_preactivation && !activation.is_identity();
   return p;
 }
 
 ForwardRoute route_forward(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params,
-    const ActivationSpec& activation) {
+    const ActivationSpec& activation, bool keep_preactivation) {
   ForwardRoute route;
   route.aten_reason = aten_only_reason(input, weight);
   if (route.aten_reason) {
     return route;
   }
-  route.prepared = prepare_forward(input, weight, bias, params, activation);
+  const bool keep = keep_preactivation && !activation.is_identity();
+  route.activation_after = keep && output_memory_format(input, weight) != at::MemoryFormat::ChannelsLast;
+  route.prepared = route.activation_after ? prepare_forward(input, weight, bias, params, ActivationSpec{})
+                                          : prepare_forward(input, weight, bias, params, activation, keep);
   const PreparedForward& p = *route.prepared;
   route.plan = fprop_plan(p.problem, p.x, p.w, p.b, &route.was_cached, &route.build_seconds);
   return route;

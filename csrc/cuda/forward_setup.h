@@ -25,22 +25,31 @@ struct PreparedForward {
   FpropProblem problem;
 };
 
+// keep_preactivation: the problem keeps the pre-activation as a second output (FpropProblem::keep_preactivation).
 PreparedForward prepare_forward(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params,
-    const ActivationSpec& activation);
+    const ActivationSpec& activation, bool keep_preactivation = false);
 
 // The path a forward call takes: ATen before any graph (aten_reason set), or the prepared tensors and their
 // cached plan (whose own path may still be ATen when no graph builds). The one decision forward and explain share.
 struct ForwardRoute {
   std::optional<std::string> aten_reason;
+  // With keep_preactivation: the plan is that of conv + bias alone (identity), and the caller applies the activation
+  // to its output out of place (NCHW problems, whose graphs are precompiled-engine only and often run via copies:
+  // they keep today's two passes rather than a second kind of NCHW plan).
+  bool activation_after = false;
   std::optional<PreparedForward> prepared;
   std::shared_ptr<const FpropPlan> plan;
   bool was_cached = false;
   double build_seconds = 0;
 };
 
+// keep_preactivation (convbias::_forward_with_preactivation, an activation other than identity): a channels_last
+// problem gets the plan whose graph writes both the pre-activation and the activation (or, where that does not
+// build or measures slower, the graph without the activation: run_fprop_with_preactivation runs either); an NCHW one
+// the plan of conv + bias alone, with activation_after set.
 ForwardRoute route_forward(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params,
-    const ActivationSpec& activation);
+    const ActivationSpec& activation, bool keep_preactivation = false);
 
 } // namespace convbias::cuda

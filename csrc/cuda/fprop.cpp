@@ -14,30 +14,35 @@
 namespace convbias::cuda {
 namespace {
 
-constexpr int64_t kX = 1, kW = 2, kB = 3, kY = 4;
+// kZ: the pre-activation, written only by the graphs of keep_preactivation problems with the epilogue.
+constexpr int64_t kX = 1, kW = 2, kB = 3, kY = 4, kZ = 5;
 
-// What a forward graph holds after the convolution: the pointwise ADD of the bias, then the problem's activation.
+// What a forward graph holds after the convolution: the pointwise ADD of the bias, then the problem's activation,
+// and whether the activation's input (the pre-activation) is written too.
 struct GraphForm {
   bool bias = false;
   bool activation = false;
+  bool preactivation = false; // only with activation
 };
 
 GraphForm form_of(const FpropPlan& plan) {
-  return GraphForm{plan.path == FpropPath::Fused, plan.activation_fused};
+  return GraphForm{plan.path == FpropPath::Fused, plan.activation_fused, plan.preactivation_output};
 }
 
-// "fused conv+bias graph", "conv graph", "fused conv+bias+gelu graph", "conv+relu graph": for messages.
+// "fused conv+bias graph", "conv graph", "fused conv+bias+gelu graph", "conv+relu graph", "fused conv+bias+gelu graph
+// writing the pre-activation too": for messages.
 std::string graph_name(const GraphForm& form, const ActivationSpec& activation) {
   std::string name = form.bias ? "fused conv+bias" : "conv";
   if (form.activation) {
     name += std::string("+") + activation_name(activation.kind);
   }
-  return name + " graph";
+  return name + " graph" + (form.preactivation ? " writing the pre-activation too" : "");
 }
 
 // The graph: conv_fprop, then (in FP32, inside the graph) the pointwise ADD of the bias [1,K,1,1] and the activation
-// node, each when `form` asks for it; the last result is y, written once in the I/O dtype. Returns nullptr and the
-// reason when cuDNN does not accept the graph itself.
+// node, each when `form` asks for it; the last result is y, written once in the I/O dtype. With form.preactivation the
+// activation's input is written as well (z, in the I/O dtype): one graph, two outputs. Returns nullptr and the reason
+// when cuDNN does not accept the graph itself.
 std::shared_ptr<fe::graph::Graph> make_graph(
     const FpropProblem& p, const GraphForm& form, cudnnHandle_t handle, std::string* why) {
   if (form.activation && take_injected_epilogue_rejection()) {
@@ -68,7 +73,18 @@ std::shared_ptr<fe::graph::Graph> make_graph(
             .set_mode(fe::PointwiseMode_t::ADD)
             .set_compute_data_type(fe::DataType_t::FLOAT));
   }
-  if (form.activation) {
+  if (form.activation && form.preactivation) {
+    // z as a real output rather than a virtual FP32 intermediate: the backward needs it. Whether the activation node
+    // reads the FP32 sum or z as rounded to the dtype is the engine's business (not measured yet): 16-bit outputs may
+    // differ from the other routes' act(z rounded) by one rounding of the activation's input.
+    y->set_output(true)
+        .set_uid(kZ)
+        .set_data_type(to_frontend_dtype(p.dtype))
+        .set_dim(as_vector(p.y_dims))
+        .set_stride(packed_strides(p.y_dims, p.channels_last))
+        .set_alignment(16); // allocated by us, as y
+    y = graph->pointwise(y, epilogue_attributes(p.activation));
+  } else if (form.activation) {
     // The epilogue: the activation of the FP32 sum, so that the output is rounded once (as the CPU reference does).
     y->set_data_type(fe::DataType_t::FLOAT);
     y = graph->pointwise(y, epilogue_attributes(p.activation));
@@ -82,14 +98,24 @@ std::shared_ptr<fe::graph::Graph> make_graph(
   return finalize_graph(*graph, handle, why) ? graph : nullptr;
 }
 
+// `z` (the pre-activation output) only for graphs that write it.
 VariantPack variant_pack(
     const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, const at::Tensor& y,
-    bool with_bias) {
+    bool with_bias, const at::Tensor& z = at::Tensor()) {
   VariantPack pack{{kX, x.data_ptr()}, {kW, w.data_ptr()}, {kY, y.data_ptr()}};
   if (with_bias) {
     pack.emplace(kB, b->data_ptr());
   }
+  if (z.defined()) {
+    pack.emplace(kZ, z.data_ptr());
+  }
   return pack;
+}
+
+at::Tensor new_output(const FpropProblem& p, const at::Tensor& like) {
+  return at::empty(
+      as_vector(p.y_dims),
+      like.options().memory_format(p.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous));
 }
 
 void execute(
@@ -101,9 +127,11 @@ void execute(
 GraphAttempt attempt(
     const FpropProblem& p, const GraphForm& form, const SelectionPolicy& policy, const at::Tensor& x,
     const at::Tensor& w, const std::optional<at::Tensor>& b, const at::Tensor& y) {
+  // Candidates are timed writing every output the graph has.
+  const at::Tensor z = form.preactivation ? new_output(p, x) : at::Tensor();
   return build_graph_plan(
       [&](cudnnHandle_t handle, std::string* why) { return make_graph(p, form, handle, why); }, policy,
-      variant_pack(x, w, b, y, form.bias), x.device(),
+      variant_pack(x, w, b, y, form.bias, z), x.device(),
       [&] { return graph_name(form, p.activation) + " for " + p.describe(); });
 }
 
@@ -134,17 +162,52 @@ std::string layout_hint(const FpropProblem& p) {
   return hint.str();
 }
 
-at::Tensor new_output(const FpropProblem& p, const at::Tensor& like) {
-  return at::empty(
-      as_vector(p.y_dims),
-      like.options().memory_format(p.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous));
-}
-
-// act(conv + bias) by ATen: nn.Conv2d's own path, followed by the activation.
+// act(conv + bias) by ATen: nn.Conv2d's own path, followed by the activation (out of place, z kept, when the problem
+// keeps the pre-activation).
 at::Tensor run_aten(
     const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   const ConvParams& c = p.params;
+  if (p.keep_preactivation) {
+    return std::get<0>(
+        forward_with_preactivation_reference(x, w, b, c.stride, c.padding, c.dilation, c.groups, p.activation));
+  }
   return forward_reference(x, w, b, c.stride, c.padding, c.dilation, c.groups, p.activation);
+}
+
+// (output, pre-activation) by `plan` on the current stream, in the problem's layout; the pre-activation is defined
+// exactly when the problem keeps it. What run_fprop and run_fprop_with_preactivation return, and what timed choices
+// measure, so that a keep_preactivation problem's routes are compared writing what the call writes.
+std::pair<at::Tensor, at::Tensor> run_plan(
+    const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
+    const std::optional<at::Tensor>& b) {
+  if (plan.via_channels_last) {
+    constexpr auto cl = at::MemoryFormat::ChannelsLast;
+    auto [y, z] = run_plan(*plan.via_channels_last, problem.as_channels_last(), x.contiguous(cl), w.contiguous(cl), b);
+    return {y.contiguous(), z.defined() ? z.contiguous() : z};
+  }
+  TORCH_INTERNAL_ASSERT(plan.path != FpropPath::Aten && plan.graph);
+  TORCH_INTERNAL_ASSERT(!plan.activation_fused || plan.preactivation_output == problem.keep_preactivation);
+  const GraphForm form = form_of(plan);
+  at::Tensor y = new_output(problem, x);
+  at::Tensor z = form.preactivation ? new_output(problem, x) : at::Tensor();
+  auto pack = variant_pack(x, w, b, y, form.bias, z);
+  execute_plan(*plan.graph, plan.engine, pack, x.options(), [&] {
+    return graph_name(form, problem.activation) + " for " + problem.describe();
+  });
+  if (plan.path == FpropPath::ConvThenBiasAdd) {
+    y.add_(b->view({1, -1, 1, 1}));
+  }
+  if (plan.activation_fused) {
+    return {y, z}; // z undefined unless the problem keeps it
+  }
+  if (problem.keep_preactivation) {
+    // The graph wrote z; ATen's activation over it, out of place.
+    const auto format = problem.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+    at::Tensor out = activation_after_preactivation(y, problem.activation, format);
+    return {std::move(out), std::move(y)};
+  }
+  apply_activation_(y, problem.activation); // ATen's pass over the graph's output (nothing for identity)
+  return {y, at::Tensor()};
 }
 
 // Fills `plan` with the graph path that leaves the activation to ATen: the fused conv+bias graph, the conv graph +
@@ -242,7 +305,7 @@ std::optional<GraphAttempt> attempt_epilogue(
     plan.activation_why = "TORCH_CONVBIAS_PATH=unfused: nothing is fused into the convolution's graph";
     return std::nullopt;
   }
-  const GraphForm form{p.has_bias, /*activation=*/true};
+  const GraphForm form{p.has_bias, /*activation=*/true, /*preactivation=*/p.keep_preactivation};
   SelectionPolicy epilogue_policy = policy;
   // An untimed choice takes the epilogue only where a precompiled engine runs it: runtime-compiled fusion engines
   // cost 0.05-5.6 s to build per shape and ran conv+bias up to 2x slower than the best precompiled engine on the H200,
@@ -291,10 +354,11 @@ std::shared_ptr<FpropPlan> build_graph_path(
     plan->graph = epilogue->graph;
     plan->engine = epilogue->engine;
     plan->activation_fused = true;
+    plan->preactivation_output = p.keep_preactivation;
     plan->activation_why = std::move(why);
     plan->transient = false; // a graph that ran was chosen, whatever the route without the epilogue met
   };
-  const std::string epilogue_name = graph_name(GraphForm{p.has_bias, true}, p.activation);
+  const std::string epilogue_name = graph_name(GraphForm{p.has_bias, true, p.keep_preactivation}, p.activation);
   // Timed choices (quick or exhaustive) measure the epilogue against the route without it; forced ones do not.
   const bool compare = epilogue_ok && policy.time_candidates() && k.activation == "auto";
   if (epilogue_ok && !compare) {
@@ -315,8 +379,9 @@ std::shared_ptr<FpropPlan> build_graph_path(
     candidate.graph = epilogue->graph;
     candidate.engine = epilogue->engine;
     candidate.activation_fused = true;
-    plan->epilogue_ms = time_on_stream([&] { (void)run_fprop(candidate, p, x, w, b); });
-    plan->separate_activation_ms = time_on_stream([&] { (void)run_fprop(*plan, p, x, w, b); });
+    candidate.preactivation_output = p.keep_preactivation;
+    plan->epilogue_ms = time_on_stream([&] { (void)run_plan(candidate, p, x, w, b); });
+    plan->separate_activation_ms = time_on_stream([&] { (void)run_plan(*plan, p, x, w, b); });
     std::ostringstream timings;
     timings << plan->epilogue_ms << " ms against " << plan->separate_activation_ms << " ms for the "
             << (plan->path == FpropPath::Fused ? "fused conv+bias graph"
@@ -336,7 +401,7 @@ std::shared_ptr<FpropPlan> build_graph_path(
     // Under cudnn.benchmark, nn.Conv2d's own path (ATen's convolution, then its bias add and the activation) is
     // measured too: on strict fp32 the graph's best engine is often the one ATen uses, and where ATen is faster it is
     // taken, so this op is never slower than nn.Conv2d (+ the activation module) for the key.
-    const float graph_ms = time_on_stream([&] { (void)run_fprop(*plan, p, x, w, b); });
+    const float graph_ms = time_on_stream([&] { (void)run_plan(*plan, p, x, w, b); });
     const float aten_ms = time_on_stream([&] { (void)run_aten(p, x, w, b); });
     plan->aten_ms = aten_ms;
     plan->graph_ms = graph_ms;
@@ -344,6 +409,7 @@ std::shared_ptr<FpropPlan> build_graph_path(
       plan->path = FpropPath::Aten;
       plan->graph.reset();
       plan->activation_fused = false;
+      plan->preactivation_output = false;
       plan->notes.push_back("ATen's convolution + bias add measured faster than the cuDNN graph");
       if (!p.activation.is_identity()) {
         plan->activation_why = "ATen's convolution, bias add and activation measured faster than the cuDNN graph";
@@ -418,11 +484,11 @@ std::shared_ptr<const FpropPlan> build_nchw_plan(
 
   std::vector<std::pair<std::string, float>> timings;
   if (native_ok) {
-    timings.emplace_back("nchw_graph", time_on_stream([&] { (void)run_fprop(*native, p, x, w, b); }));
+    timings.emplace_back("nchw_graph", time_on_stream([&] { (void)run_plan(*native, p, x, w, b); }));
   }
   if (via_cl_ok) {
     timings.emplace_back("channels_last_copies", time_on_stream([&] {
-                           (void)run_fprop(*via_cl, cl_problem, x.contiguous(cl), w.contiguous(cl), b).contiguous();
+                           (void)run_plan(*via_cl, cl_problem, x.contiguous(cl), w.contiguous(cl), b).first.contiguous();
                          }));
   }
   if (k.path == "auto") {
@@ -450,13 +516,17 @@ std::shared_ptr<const FpropPlan> build_plan(
   return build_nchw_plan(p, x, w, b);
 }
 
-// The tensors a stored graph of `p` must have (plan_store::take_graph checks them).
-plan_store::ExpectedTensors expected_tensors(const FpropProblem& p, bool with_bias) {
+// The tensors a stored graph of `form` for `p` must have (plan_store::take_graph checks them): the pre-activation
+// output among them when the form writes it.
+plan_store::ExpectedTensors expected_tensors(const FpropProblem& p, const GraphForm& form) {
   plan_store::ExpectedTensors expected{
       {kX, {as_vector(p.x_dims), packed_strides(p.x_dims, p.channels_last)}},
       {kW, {as_vector(p.w_dims), packed_strides(p.w_dims, p.channels_last)}},
       {kY, {as_vector(p.y_dims), packed_strides(p.y_dims, p.channels_last)}}};
-  if (with_bias) {
+  if (form.preactivation) {
+    expected[kZ] = {as_vector(p.y_dims), packed_strides(p.y_dims, p.channels_last)};
+  }
+  if (form.bias) {
     const int64_t k = p.w_dims[0];
     expected[kB] = {{1, k, 1, 1}, {k, 1, k, k}};
   }
@@ -478,7 +548,8 @@ std::optional<plan_store::Json> plan_record(const FpropPlan& plan) {
       {"activation_fused", plan.activation_fused},
       {"activation_why", plan.activation_why},
       {"epilogue_ms", plan.epilogue_ms},
-      {"separate_activation_ms", plan.separate_activation_ms}};
+      {"separate_activation_ms", plan.separate_activation_ms},
+      {"preactivation_output", plan.preactivation_output}};
   // A plan run via channels_last copies stores its choice only: the channels_last plan is stored under its own key.
   const bool own_graph = !plan.via_channels_last && plan.path != FpropPath::Aten;
   return plan_store::put_graph(r, own_graph ? plan.graph : nullptr, plan.engine) ? std::optional(r) : std::nullopt;
@@ -501,6 +572,11 @@ std::shared_ptr<const FpropPlan> plan_from_record(
       (p.activation.is_identity() || (*found != FpropPath::Fused && *found != FpropPath::Conv))) {
     return nullptr;
   }
+  // A graph with the epilogue writes the pre-activation exactly when the problem keeps it (the key says so too).
+  const bool preactivation_output = r.at("preactivation_output").get<bool>();
+  if (preactivation_output != (activation_fused && p.keep_preactivation)) {
+    return nullptr;
+  }
   std::shared_ptr<FpropPlan> plan;
   if (r.at("via_channels_last").get<bool>()) {
     if (p.channels_last) {
@@ -514,12 +590,13 @@ std::shared_ptr<const FpropPlan> plan_from_record(
     plan = std::make_shared<FpropPlan>();
     plan->path = *found;
     plan->activation_fused = activation_fused;
-    // The stored graph must hold the problem's tensors and exactly the operations the record says it runs (the
-    // activation node, with its slope, in particular).
+    plan->preactivation_output = preactivation_output;
+    // The stored graph must hold the problem's tensors (the pre-activation output when it writes one) and exactly the
+    // operations the record says it runs (the activation node, with its slope, in particular).
     const GraphForm form = form_of(*plan);
     const std::vector<std::string> operations = expected_operations(p, form);
     std::string why;
-    if (!plan_store::take_graph(r, expected_tensors(p, form.bias), plan->graph, plan->engine, &why, operations) ||
+    if (!plan_store::take_graph(r, expected_tensors(p, form), plan->graph, plan->engine, &why, operations) ||
         (plan->path != FpropPath::Aten) != bool(plan->graph)) {
       return nullptr;
     }
@@ -582,6 +659,7 @@ PlanKey FpropProblem::key() const {
     std::memcpy(&slope_bits, &activation.negative_slope, sizeof(slope_bits));
   }
   f.push_back(slope_bits);
+  f.push_back(keep_preactivation);
   return key;
 }
 
@@ -596,6 +674,9 @@ std::string FpropProblem::describe() const {
     s << ", activation " << activation_name(activation.kind);
     if (activation.kind == Activation::LeakyRelu) {
       s << " (negative_slope " << activation.negative_slope << ")";
+    }
+    if (keep_preactivation) {
+      s << ", pre-activation kept (second output)";
     }
   }
   return s.str();
@@ -647,25 +728,14 @@ std::shared_ptr<const FpropPlan> fprop_plan(
 at::Tensor run_fprop(
     const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
     const std::optional<at::Tensor>& b) {
-  if (plan.via_channels_last) {
-    constexpr auto cl = at::MemoryFormat::ChannelsLast;
-    return run_fprop(*plan.via_channels_last, problem.as_channels_last(), x.contiguous(cl), w.contiguous(cl), b)
-        .contiguous();
-  }
-  TORCH_INTERNAL_ASSERT(plan.path != FpropPath::Aten && plan.graph);
-  const GraphForm form = form_of(plan);
-  at::Tensor y = new_output(problem, x);
-  auto pack = variant_pack(x, w, b, y, form.bias);
-  execute_plan(*plan.graph, plan.engine, pack, x.options(), [&] {
-    return graph_name(form, problem.activation) + " for " + problem.describe();
-  });
-  if (plan.path == FpropPath::ConvThenBiasAdd) {
-    y.add_(b->view({1, -1, 1, 1}));
-  }
-  if (!plan.activation_fused) {
-    apply_activation_(y, problem.activation); // ATen's pass over the graph's output (nothing for identity)
-  }
-  return y;
+  return run_plan(plan, problem, x, w, b).first;
+}
+
+std::pair<at::Tensor, at::Tensor> run_fprop_with_preactivation(
+    const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
+    const std::optional<at::Tensor>& b) {
+  TORCH_INTERNAL_ASSERT(problem.keep_preactivation);
+  return run_plan(plan, problem, x, w, b);
 }
 
 } // namespace convbias::cuda

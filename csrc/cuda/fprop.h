@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "conv_args.h"
@@ -35,6 +36,10 @@ struct FpropProblem {
   MathFlags flags;
   // Applied to conv + bias: in the graph's epilogue (FpropPlan::activation_fused) or by ATen after the graph.
   ActivationSpec activation;
+  // The pre-activation z = conv + bias is an output too (convbias::_forward_with_preactivation, for the backward of
+  // an activation whose derivative needs it). The epilogue graph then writes both z and act(z), one graph; without
+  // the epilogue the graph writes z and ATen's activation runs out of place. Only with an activation.
+  bool keep_preactivation = false;
 
   PlanKey key() const;
   std::string describe() const; // shapes, layout, dtype, parameters and activation, for messages
@@ -61,6 +66,9 @@ struct FpropPlan {
   std::string activation_why; // why it is (not) in the graph: the knob, cuDNN's refusal, or the timings
   float epilogue_ms = -1; // measured (timed choices): the graph with the epilogue ...
   float separate_activation_ms = -1; // ... against the graph without it followed by ATen's activation
+  // The graph writes the pre-activation as a second output (activation_fused for a keep_preactivation problem): the
+  // bias ADD's (or, without bias, the convolution's) result marked as an output rather than left virtual.
+  bool preactivation_output = false;
 
   // NCHW problems: the three ways to run them (a graph over NCHW strides, the channels_last plan on copies,
   // ATen) are measured once and the fastest kept. When the copies won, `via_channels_last` is the plan they run
@@ -81,6 +89,14 @@ FpropProblem make_problem(
 std::shared_ptr<const FpropPlan> fprop_plan(
     const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
     bool* was_cached = nullptr, double* build_seconds = nullptr);
+
+// (act(z), z) for z = conv(x, w) + b by `plan` for a keep_preactivation problem, on the current stream, in the
+// problem's layout, two new tensors: one graph writing both where the plan has the epilogue (the activation then
+// may read the FP32 z, so 16-bit outputs may differ from act(z rounded) by one rounding), else the graph writing z and
+// ATen's activation out of place. Not for the ATen path.
+std::pair<at::Tensor, at::Tensor> run_fprop_with_preactivation(
+    const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
+    const std::optional<at::Tensor>& b);
 
 // act(conv(x, w) + b) by `plan` on the current stream, in the problem's layout, into a new tensor (the activation in
 // the graph or applied after it). Not for the ATen path, which the caller runs on the original arguments.

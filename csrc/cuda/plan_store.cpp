@@ -35,7 +35,8 @@ namespace fs = std::filesystem;
 // Bumped whenever a record's layout or the meaning of a key's fields changes: older files are then rejected.
 // 2: the knobs and "timed" in every file, the graph's description stored with its plan.
 // 3: the activation in forward keys and records (its epilogue checked in the stored graph), the ACTIVATION knob.
-constexpr int64_t kFormatVersion = 3;
+// 4: keep_preactivation in forward keys, "preactivation_output" in forward records (the second output checked).
+constexpr int64_t kFormatVersion = 4;
 constexpr char kMagic[8] = {'C', 'V', 'B', 'P', 'L', 'A', 'N', '1'};
 
 std::atomic<int64_t> hit_count{0}, miss_count{0}, write_count{0}, reject_count{0};
