@@ -298,6 +298,18 @@ def test_options_are_checked_and_passed_on() -> None:
     torch._dynamo.reset()
     with pytest.raises(Exception, match="convbias.devices"):
         torch.compile(model, backend="convbias", options={"convbias.devices": "cpu"})(x)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="need convbias.inner='inductor'"):
+        opts = {"convbias.devices": ("cpu", "cuda"), "convbias.inner": "aot_eager", "max_autotune": True}
+        torch.compile(model, backend="convbias", options=opts)(x)
+    with pytest.raises(ValueError, match="the backend is convbias"):
+        torch_convbias.compile(model, backend="inductor")
+    # rewrite_graph alone, on a graph Dynamo captured: the same rewrite, its report returned.
+    captured: list[torch.fx.GraphModule] = []
+    torch._dynamo.reset()
+    torch.compile(model, backend=lambda gm, inputs: captured.append(gm) or gm)(x)
+    report = compiler.rewrite_graph(captured[0], devices=("cpu", "cuda"))
+    assert report.count(activation="relu") == 1 and compiler.reports[-1] is report
     # fuse_activations=False: the conv + bias is rewritten, the ReLU is not fused.
     compiled, recorder = compile_recorded(model, **{"convbias.fuse_activations": False})
     compiled(x)

@@ -394,7 +394,10 @@ class _Rewriter:
 def rewrite_graph(gm: fx.GraphModule, **options: Any) -> RewriteReport:
     """Rewrite, in place, the convolutions of a Dynamo graph into ``convbias.forward`` (see the module docstring;
     ``options`` are the backend's without the ``convbias.`` prefix). Returns what was done."""
-    config = _config_from({f"{_OPTION_PREFIX}{k}": v for k, v in options.items()})
+    return _rewrite(gm, _config_from({f"{_OPTION_PREFIX}{k}": v for k, v in options.items()}))
+
+
+def _rewrite(gm: fx.GraphModule, config: _Config) -> RewriteReport:
     report = _Rewriter(gm, config).run()
     reports.append(report)
     return report
@@ -421,8 +424,7 @@ def convbias_backend(
     options = dict(options or {})
     ours = {key: options.pop(key) for key in list(options) if key.startswith(_OPTION_PREFIX)}
     config = _config_from(ours)
-    report = _Rewriter(gm, config).run()
-    reports.append(report)
+    _rewrite(gm, config)
     if config.inner == "inductor":
         return _inductor(mode, options)(gm, list(example_inputs))
     if mode is not None or options:
