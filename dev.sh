@@ -69,7 +69,7 @@ case "${1:-}" in
         mine=()
         for ((j = i; j < ${#files[@]}; j += shards)); do mine+=("${files[j]}"); done
         timeout "${TEST_TIMEOUT:-540}" "$PYTHON" -m pytest "${mine[@]}" -q -rfEs --tb=short -k "not cpu" \
-          -p no:cacheprovider > "/tmp/convbias-tests-$i.log" 2>&1 &
+          -p no:cacheprovider --junitxml="/tmp/convbias-junit-$i.xml" > "/tmp/convbias-tests-$i.log" 2>&1 &
         pids+=($!)
       done
       for ((i = 0; i < shards; i++)); do
@@ -78,6 +78,8 @@ case "${1:-}" in
         tail -1 "/tmp/convbias-tests-$i.log"
       done
       grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -30 || true
+      # Properties the tests record (the CUDA fuzzer's path coverage counts) from the shards' JUnit reports.
+      grep -ho '<property name="[^"]*" value="[^"]*"' /tmp/convbias-junit-*.xml 2>/dev/null | tee -a "$out/tests.log" || true
     fi
     if [ "$phase" = all ] || [ "$phase" = bench ]; then
       for name in ${BENCHES:-forward param_grad layerwise bias_grad overhead demo}; do
