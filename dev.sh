@@ -63,7 +63,8 @@ case "${1:-}" in
       # share the GPU, each taking every SHARDS-th test file (largest first), each bounded by TEST_TIMEOUT seconds.
       "$PYTHON" -m torch_convbias.doctor > "$out/tests.log" 2>&1 || status=1
       shards=${SHARDS:-3}
-      mapfile -t files < <(ls -S tests/test_*.py)
+      # TEST_FILES="tests/test_a.py tests/test_b.py" runs only those (e.g. what a previous run did not reach).
+      mapfile -t files < <(ls -S ${TEST_FILES:-tests/test_*.py})
       pids=()
       for ((i = 0; i < shards; i++)); do
         mine=()

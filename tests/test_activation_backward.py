@@ -158,14 +158,14 @@ def test_empty_and_odd_channel_counts(device: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("benchmark", [False, True], ids=["untimed", "timed"])
+@pytest.mark.parametrize("timed", [False, True], ids=["untimed", "timed"])
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("name", ["relu", "gelu", "silu"])
-def test_fused_kernel_is_deterministic_on_cuda(name: str, dtype_name: str, benchmark: bool) -> None:
+def test_fused_kernel_is_deterministic_on_cuda(name: str, dtype_name: str, timed: bool) -> None:
     """Two runs of the fused kernel give bitwise equal grad_z and grad_bias (fixed order, no atomics), on a tensor
     large enough for many bands, with the launch configuration untimed and timed."""
     saved_flag = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = benchmark
+    torch.backends.cudnn.benchmark = timed
     try:
         grad, saved, z = make(name, DTYPES[dtype_name], "cuda", "channels_last", shape=(64, 64, 32, 32), seed=3)
         info = torch_convbias.explain_activation_backward(grad, saved, *ACTIVATIONS[name][:2])

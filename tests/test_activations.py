@@ -334,16 +334,16 @@ def test_leaky_relu_slope_is_in_the_graph_and_the_key() -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("benchmark", [False, True], ids=["untimed", "benchmark"])
+@pytest.mark.parametrize("timed", [False, True], ids=["untimed", "benchmark"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("name", list(REFERENCE))
-def test_every_activation_is_right_fused_or_not(name: str, dtype: torch.dtype, benchmark: bool) -> None:
+def test_every_activation_is_right_fused_or_not(name: str, dtype: torch.dtype, timed: bool) -> None:
     """Whichever route each activation takes (the epilogue where it builds and, when timed, is faster), the result
     is conv + bias + activation and explain says which route ran and why. Under cudnn.benchmark the epilogue was
     measured against the graph without it: both timings are reported."""
-    x, w, b = cuda_problem(4, 32, 64, 15 + benchmark, dtype, seed=4)
+    x, w, b = cuda_problem(4, 32, 64, 15 + timed, dtype, seed=4)
     saved = torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = benchmark, False
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = timed, False
     try:
         out = conv_bias2d(x, w, b, padding=1, activation=name, negative_slope=0.1)
         info = torch_convbias.explain(x, w, b, padding=1, activation=name, negative_slope=0.1)
@@ -351,7 +351,7 @@ def test_every_activation_is_right_fused_or_not(name: str, dtype: torch.dtype, b
         torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = saved
     check_consistent(info, name, 0.1)
     act = info["activation"]
-    if benchmark and info["path"] != "aten" and (act["fused"] or "measured" in act["why"]):
+    if timed and info["path"] != "aten" and (act["fused"] or "measured" in act["why"]):
         assert act["epilogue_ms"] > 0 and act["separate_ms"] > 0, act
     check_output(out, reference(x, w, b, name, 0.1))
 

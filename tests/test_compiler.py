@@ -359,6 +359,25 @@ def test_cuda_training_step_matches_eager(dtype: torch.dtype) -> None:
         torch.testing.assert_close(p.grad, g, rtol=tol, atol=tol * max(1.0, g.abs().max().item()))
 
 
+def test_symbolic_leaky_relu_slope_is_not_fused_and_says_why() -> None:
+    """torch.compile(dynamic=True) traces nn.LeakyReLU's float slope as a graph input (no guard on its value): fusing
+    its present value would go stale silently, so the activation stays as it is, with a reason; specialised floats
+    fuse."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.LeakyReLU(0.2))
+    x = torch.randn(2, 3, 8, 8)
+    expected = model(x)
+    for specialize_float in (False, True):
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(specialize_float=specialize_float):
+            compiled = torch.compile(model, backend="convbias", dynamic=True, options={"convbias.devices": ("cpu",)})
+            torch.testing.assert_close(compiled(x), expected)
+        report = compiler.reports[-1]
+        assert report.count() == 1  # the conv + bias is rewritten either way
+        assert report.count(activation="leaky_relu") == int(specialize_float), report
+        reasons = [s["reason"] for s in report.skipped]
+        assert any("negative_slope" in r and "specialize_float" in r for r in reasons) != specialize_float, reasons
+
+
 @cuda
 def test_cuda_training_under_reduce_overhead_and_dynamic_batch() -> None:
     """CUDA graphs (mode="reduce-overhead") over the rewritten training step, and a dynamic batch: every step's
@@ -369,18 +388,24 @@ def test_cuda_training_under_reduce_overhead_and_dynamic_batch() -> None:
     saved = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     try:
-        for mode, dynamic in (("reduce-overhead", False), (None, True)):
+        # Under dynamic=True nn.LeakyReLU's slope is traced as a symbolic float: that one activation stays unfused
+        # (its conv has no bias: nothing left to rewrite) unless floats are specialised.
+        for mode, dynamic, specialize_float, rewritten in (
+            ("reduce-overhead", False, False, 8), (None, True, False, 7), (None, True, True, 8)
+        ):
             torch._dynamo.reset()
-            compiled = torch.compile(twin, backend="convbias", mode=mode, dynamic=dynamic)
-            for batch in (4, 4, 4, 6, 6):
-                x = torch.randn(batch, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last)
-                model.zero_grad(set_to_none=True)
-                twin.zero_grad(set_to_none=True)
-                model(x).square().sum().backward()
-                compiled(x).square().sum().backward()
-                for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-                    torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-3 * max(1.0, p.grad.abs().max().item()), msg=name)
-            assert compiler.reports[-1].count() == 8
+            with torch._dynamo.config.patch(specialize_float=specialize_float):
+                compiled = torch.compile(twin, backend="convbias", mode=mode, dynamic=dynamic)
+                for batch in (4, 4, 4, 6, 6):
+                    x = torch.randn(batch, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last)
+                    model.zero_grad(set_to_none=True)
+                    twin.zero_grad(set_to_none=True)
+                    model(x).square().sum().backward()
+                    compiled(x).square().sum().backward()
+                    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+                        torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-3 * max(1.0, p.grad.abs().max().item()), msg=name)
+            assert compiler.reports[-1].count() == rewritten, (mode, dynamic, specialize_float, compiler.reports[-1])
+            assert compiler.reports[-1].count(activation="leaky_relu") == rewritten - 7
     finally:
         torch.backends.cudnn.allow_tf32 = saved
 

@@ -272,14 +272,14 @@ def consistent(info: dict, name: str) -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("benchmark", [False, True], ids=["untimed", "benchmark"])
+@pytest.mark.parametrize("timed", [False, True], ids=["untimed", "benchmark"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("key", list(KEEPING))
-def test_cuda_op_is_right_and_explain_says_which_graph_ran(key: str, dtype: torch.dtype, benchmark: bool) -> None:
+def test_cuda_op_is_right_and_explain_says_which_graph_ran(key: str, dtype: torch.dtype, timed: bool) -> None:
     _, name, slope = KEEPING[key]
-    x, w, b = cuda_problem(dtype, 15 + benchmark)
+    x, w, b = cuda_problem(dtype, 15 + timed)
     saved = torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = benchmark, False
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = timed, False
     try:
         out, z = op(*args(x, w, b, name, slope))
         info = torch_convbias.explain(x, w, b, padding=1, activation=name, negative_slope=slope, for_backward=True)
@@ -354,13 +354,13 @@ def test_cuda_rejected_two_output_graph_falls_back_to_the_graph_without_the_acti
 
 
 @needs_cuda
-@pytest.mark.parametrize("benchmark", [False, True], ids=["untimed", "benchmark"])
-def test_cuda_nchw_and_aten_routes(benchmark: bool) -> None:
+@pytest.mark.parametrize("timed", [False, True], ids=["untimed", "benchmark"])
+def test_cuda_nchw_and_aten_routes(timed: bool) -> None:
     """NCHW tensors run conv + bias's own plan, then the activation; float64 runs ATen's convolution: both right,
     in NCHW."""
     x, w, b = cuda_problem(torch.float32, 14, fmt=torch.contiguous_format)
     saved = torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = benchmark, False
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = timed, False
     try:
         out, z = op(*args(x, w, b, "silu", 0.01))
         info = torch_convbias.explain(x, w, b, padding=1, activation="silu", for_backward=True)

@@ -142,8 +142,9 @@ def _is_convbias_op(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (torch.ops.convbias.forward, torch.ops.convbias.forward.default)
 
 
-def _activation_of(node: fx.Node) -> tuple[str, float] | None:
-    """(activation, negative_slope) for a node applying a supported activation to its first argument, else None."""
+def _activation_of(node: fx.Node) -> tuple[str, float] | str | None:
+    """(activation, negative_slope) for a node applying a supported activation to its first argument; a string saying
+    why not for a supported activation that cannot be fused as traced; else None."""
     if node.op == "call_method":
         name = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoid_": "sigmoid", "tanh": "tanh", "tanh_": "tanh"}
         return (name[node.target], 0.01) if node.target in name and len(node.args) == 1 and not node.kwargs else None
@@ -163,6 +164,13 @@ def _activation_of(node: fx.Node) -> tuple[str, float] | None:
         return {"none": ("gelu", 0.01), "tanh": ("gelu_tanh", 0.01)}.get(approximate) if isinstance(approximate, str) else None
     if target in (F.leaky_relu, torch._C._nn.leaky_relu, F.leaky_relu_, torch._C._nn.leaky_relu_):
         slope = node.kwargs.get("negative_slope", node.args[1] if len(node.args) > 1 else 0.01)
+        if isinstance(slope, fx.Node):
+            # Under dynamic=True Dynamo traces a module's float attribute (nn.LeakyReLU.negative_slope) as a graph
+            # input, unguarded: baking its present value into our op would go stale silently if it changed.
+            return (
+                "leaky_relu's negative_slope is traced as a symbolic float (dynamic shapes); set "
+                "torch._dynamo.config.specialize_float = True to make it a constant that can be fused"
+            )
         return ("leaky_relu", float(slope)) if isinstance(slope, (int, float)) and not isinstance(slope, bool) else None
     return None
 
@@ -342,10 +350,12 @@ class _Rewriter:
         follower = self.single_user(last)
         if self.config.fuse_activations and follower is not None:
             found = _activation_of(follower)
-            if found is not None and follower.args and follower.args[0] is last:
+            if isinstance(found, str):
+                self.skip(follower, f"activation not fused: {found}")
+            elif found is not None and follower.args and follower.args[0] is last:
                 (activation, slope), last = found, follower
         elif self.config.fuse_activations and len(last.users) > 1:
-            if any(_activation_of(u) is not None for u in last.users):
+            if any(isinstance(_activation_of(u), tuple) for u in last.users):
                 self.skip(last, "activation not fused: the convolution's output has other users")
 
         if bias is None and activation == "identity" and not from_convbias:
