@@ -308,14 +308,39 @@ def test_relu_runs_in_the_graphs_epilogue() -> None:
     check_output(out, reference(x, w, b, "relu", 0.01))
 
 
+NO_BIAS_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, "tests")
+from test_activations import cuda_problem, reference, check_output
+import torch_convbias
+x, w, _ = cuda_problem(4, 32, 64, 13, torch.float16, seed=2, bias=False)
+out = torch_convbias.conv_bias2d(x, w, None, padding=1, activation="relu")
+check_output(out, reference(x, w, None, "relu", 0.01))
+print(json.dumps(torch_convbias.explain(x, w, None, padding=1, activation="relu")))
+"""
+
+
 @needs_cuda
-def test_conv_without_bias_gets_the_epilogue_too() -> None:
+def test_conv_without_bias_gets_the_epilogue_when_an_engine_builds_it() -> None:
+    """conv -> RELU_FWD without a bias add. Untimed (torch's default) only precompiled engines are tried, and on the
+    H200 (cuDNN 9.19) none runs this graph: the convolution's graph then ATen's relu, and explain says why. Forced
+    (TORCH_CONVBIAS_ACTIVATION=fused, runtime-compiled engines allowed) the graph is conv -> relu, and right."""
     x, w, _ = cuda_problem(4, 32, 64, 13, torch.float16, seed=2, bias=False)
     out = conv_bias2d(x, w, None, padding=1, activation="relu")
-    info = torch_convbias.explain(x, w, None, padding=1, activation="relu")
-    assert info["path"] == "conv" and info["activation"]["fused"] is True, info
-    assert info["graph_ops"] == ["CONV_FPROP", "RELU_FWD"], info
     check_output(out, reference(x, w, None, "relu", 0.01))
+    info = torch_convbias.explain(x, w, None, padding=1, activation="relu")
+    assert info["path"] == "conv", info
+    if info["activation"]["fused"]:
+        assert info["graph_ops"] == ["CONV_FPROP", "RELU_FWD"], info
+    else:
+        assert info["graph_ops"] == ["CONV_FPROP"], info
+        assert "rejected" in info["activation"]["why"] and "precompiled engines only" in info["activation"]["why"], info
+
+    result = run_with_knobs(NO_BIAS_SCRIPT, TORCH_CONVBIAS_ACTIVATION="fused")
+    assert result.returncode == 0, result.stderr[-3000:]
+    forced = json.loads(result.stdout.strip().splitlines()[-1])
+    assert forced["path"] == "conv" and forced["activation"]["fused"] is True, forced
+    assert forced["graph_ops"] == ["CONV_FPROP", "RELU_FWD"], forced
 
 
 @needs_cuda

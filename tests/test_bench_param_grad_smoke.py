@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 # The benchmarks are a package at the repository root, which pytest does not put on sys.path by itself.
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import bench_layerwise, bench_param_grad, harness  # noqa: E402
+from bench import bench_layerwise, bench_param_grad, common, harness  # noqa: E402
 
 FAST = ["--device", "cpu", "--quick", "--iters", "2", "--warmup", "1"]
 MODES = ["fp32", "tf32", "bf16"]
@@ -121,8 +122,10 @@ def test_layerwise_quick_cpu_run(layerwise_run: tuple[dict[str, Any], Path]) -> 
         assert set(bench_layerwise.RATIOS) <= set(row) and set(bench_layerwise.ROW_FIELDS) <= set(row)
         checks = row["numerics"]["checks"]
         assert set(checks) == {
-            f"{side}_{what}" for side in ("ours", "torch") for what in ("output", "grad_weight", "grad_bias")
-        } | {"weight_after_step", "bias_after_step"}
+            f"{side}_{what}"
+            for side in ("ours", "torch")
+            for what in ("output", "grad_weight", "grad_bias", "weight_after_step", "bias_after_step")
+        }
         assert row["forward_speedup"] > 0 and row["step_ms_saved"] is not None
         # On the CPU no CUDA graph: eager steps back to back only, and no capture attempted (so no error).
         assert set(row["back_to_back"]) == {"ours_step", "torch_step"} and row["speedup_back_to_back"] > 0
@@ -220,3 +223,32 @@ def test_layerwise_activation_block_with_compiled_sides(
     (summary,) = results["summaries"]
     expected_target = bench_layerwise.ACTIVATION_TARGETS["fp32"] if activation == "relu" else None
     assert summary["target_geomean_speedup_vs_compiled"] == expected_target
+
+
+def test_layerwise_relu_reference_takes_the_kink_side_from_the_checked_output() -> None:
+    """Through ReLU the float64 gradient is taken on the side of the kink that the checked side's own output says
+    (rounding may flip a pre-activation near zero): a side whose output flips there still matches, a backward that
+    ignores ReLU's derivative does not."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(4, 8, 3, padding=1).double()
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+    seed = torch.randn(2, 8, 6, 6, dtype=torch.float64)
+    mode = common.modes()["bf16"]
+    z = conv(x).detach()
+    flipped = torch.relu(z).clone()
+    near_zero = z.abs() < 0.05
+    assert near_zero.any()
+    # The other side of the kink, within rounding.
+    flipped[near_zero] = torch.where(z[near_zero] > 0, torch.zeros_like(z[near_zero]), torch.full_like(z[near_zero], 1e-3))
+    reference = bench_layerwise._float64_grads(conv, x, seed, torch.nn.ReLU(), flipped)
+    w = conv.weight.detach().requires_grad_()
+    b = conv.bias.detach().requires_grad_()
+    out = F.conv2d(x, w, b, padding=1)
+    mask = (flipped > 0).double()
+    right = torch.autograd.grad(out, [w, b], seed * mask, retain_graph=True)
+    ignoring_relu = torch.autograd.grad(out, [w, b], seed)
+    terms = 2 * 6 * 6
+    for actual, expected in zip(right, (reference["weight"], reference["bias"])):
+        assert common.check_against_float64(actual, expected, mode, terms)["passed"]
+    for actual, expected in zip(ignoring_relu, (reference["weight"], reference["bias"])):
+        assert not common.check_against_float64(actual, expected, mode, terms)["passed"]
