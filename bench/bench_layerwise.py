@@ -60,7 +60,7 @@ from torch import nn
 
 import torch_convbias
 
-from . import harness
+from . import common, harness
 from .common import ACTIVATION_MODULES, Mode, check_against_float64, fmt, geomean, short_error
 
 NAME = "layerwise"
@@ -400,7 +400,24 @@ def measure(
     sides = {"ours": ours, "torch": ref, "ours_compiled": ours_compiled, "torch_compiled": torch_compiled}
     medians = [timings[n]["median_ms"] for n in ("torch_step", "torch_compiled_step") if n in timings]
     row["speedup_vs_best"] = min(medians) / timings["ours_step"]["median_ms"] if medians and "ours_step" in timings else None
+    row["step_kernels_ms"] = step_kernels({"ours": ours, "torch_compiled": torch_compiled}, errors, device)
     return {**row, **compiled_throughput(sides, errors, device)}
+
+
+def step_kernels(sides: dict[str, Layer], errors: dict[str, str], device: str) -> dict[str, dict[str, float]] | None:
+    """Where one step's GPU time goes, per side: the profiler's time per kernel (ms, largest first). What bounds the
+    ratio against the compiled nn step (which passes each side runs, and at what cost)."""
+    if device != "cuda":
+        return None
+    result: dict[str, dict[str, float]] = {}
+    for side, layer in sides.items():
+        try:
+            kernels = common.gpu_kernels([layer.step], device)
+        except Exception as error:  # noqa: BLE001 - recorded, the row's timings stand
+            errors[f"{side}_kernels"] = short_error(error)
+            continue
+        result[side] = {name: round(ms, 4) for name, ms in (kernels or {}).items()}
+    return result
 
 
 def summarize_breakdown(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -465,6 +482,7 @@ ACTIVATION_ROW_FIELDS = (
     "graphed_vs_compiled",
     "graphed_vs_best",
     "ours_compiled_graphed_vs_compiled",
+    "step_kernels_ms",
 )
 
 

@@ -8,6 +8,7 @@ clock or thermal drift during a run affects all of them alike.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import json
@@ -324,8 +325,9 @@ def time_back_to_back(
     return {name: summarize(samples[name]) for name in names}
 
 
-def gpu_kernel_ms(steps: Sequence[Callable[[], Any]], device: str) -> float | None:
-    """GPU kernel time (ms) of running each of `steps` once, from the profiler; None on the CPU."""
+def gpu_kernels(steps: Sequence[Callable[[], Any]], device: str) -> dict[str, float] | None:
+    """GPU time (ms) per kernel name of running each of `steps` once, from the profiler, largest first; None on the
+    CPU. Tells where a step's GPU time goes (which kernels a side runs, and what each costs)."""
     if device != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -335,7 +337,17 @@ def gpu_kernel_ms(steps: Sequence[Callable[[], Any]], device: str) -> float | No
         for step in steps:
             step()
         synchronize(device)
-    return sum(e.self_device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+    per_kernel: dict[str, float] = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name] += event.self_device_time_total / 1e3
+    return dict(sorted(per_kernel.items(), key=lambda item: -item[1]))
+
+
+def gpu_kernel_ms(steps: Sequence[Callable[[], Any]], device: str) -> float | None:
+    """GPU kernel time (ms) of running each of `steps` once, from the profiler; None on the CPU."""
+    kernels = gpu_kernels(steps, device)
+    return None if kernels is None else sum(kernels.values())
 
 
 def back_to_back_ms(step: Callable[[], Any], repeat: int, device: str) -> float:
