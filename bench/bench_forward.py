@@ -392,6 +392,7 @@ def forward_activation_spec(activation: str) -> harness.Spec:
         name=f"{NAME}_{activation}",
         schema="torch_convbias.bench_forward_activation/1",
         variants=ACTIVATION_VARIANTS,
+        suite=harness.ACTIVATION_SUITE,
         ratios=ACTIVATION_RATIOS,
         headline="speedup_vs_compiled",
         targets=ACTIVATION_TARGETS if activation == "relu" else {},

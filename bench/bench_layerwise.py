@@ -493,6 +493,7 @@ def activation_spec(activation: str) -> harness.Spec:
         SPEC,
         name=f"{NAME}_{activation}",
         variants=ACTIVATION_VARIANTS,
+        suite=harness.ACTIVATION_SUITE,
         ratios={
             "speedup_vs_compiled": ("torch_compiled_step", "ours_step"),
             "speedup": ("torch_step", "ours_step"),

@@ -102,6 +102,14 @@ SUITE: tuple[Shape, ...] = tuple(
     ]
 )
 
+# The conv + bias + activation blocks (issue 13): the suite with N >= 1024 wherever the output is 32x32 or smaller, so
+# that every row is GPU-bound (the epilogue saves one pointwise pass, which a host-bound row would hide).
+ACTIVATION_SUITE: tuple[Shape, ...] = tuple(
+    dict.fromkeys(
+        dataclasses.replace(shape, n=max(shape.n, 1024)) if shape.h * shape.w <= 32 * 32 else shape for shape in SUITE
+    )
+)
+
 # Smoke-test subset: a tiny problem, a common 3x3 and a 1x1; all small enough for the CPU path too.
 QUICK_SUITE: tuple[Shape, ...] = (
     Shape(16, 16, 16, 16, 16, 3, 1, 1),
@@ -144,6 +152,7 @@ class Spec:
     table: Sequence[tuple[str, str, str]]  # (header, key, format) of the per-mode table
     legend: str  # one line above each table
     config: Mapping[str, Any] = field(default_factory=dict)  # more to record in the config
+    suite: tuple[Shape, ...] = SUITE  # the shapes of a full run (--quick: QUICK_SUITE)
     # Extra summary fields from one mode's rows (skipped ones left out) and a line printing them; both optional.
     summarize_extra: Callable[[Sequence[dict[str, Any]]], dict[str, Any]] | None = None
     describe_extra: Callable[[dict[str, Any]], str] | None = None
@@ -664,7 +673,7 @@ def run_suite(
     per mode. Returns the cudnn.benchmark settings run."""
     selected = [modes()[name] for name in args.modes]
     settings = {"on": [True], "off": [False], "both": [True, False]}[args.benchmark_cudnn]
-    suite = QUICK_SUITE if args.quick else SUITE
+    suite = QUICK_SUITE if args.quick else spec.suite
     for benchmark in settings:
         for mode in selected:
             for i, shape in enumerate(suite):
@@ -709,7 +718,7 @@ def run(
         return 2
     selected = [modes()[name] for name in args.modes]
     started = time.perf_counter()
-    results = new_results(spec, args, QUICK_SUITE if args.quick else SUITE)
+    results = new_results(spec, args, QUICK_SUITE if args.quick else spec.suite)
     env = results["environment"]
     print(
         f"bench_{spec.name}: {env['gpu']}, torch {env['torch']}, cuDNN {env['cudnn']}, commit {env['commit']} "

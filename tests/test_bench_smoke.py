@@ -225,3 +225,16 @@ def test_bias_grad_bench_activation_variants_agree_on_cpu() -> None:
     summary = bench_bias_grad.activation_summary([row, {**row, "large": False, "fused_stream_fraction": 0.1}])
     assert summary["target_pass"] is True and summary["fused_min_stream_fraction_large"] == 0.85
     assert summary["fused_ran_everywhere"] is True and summary["fused_vs_copy_stream_min_large"] == 0.9
+
+
+def test_activation_blocks_run_gpu_bound_shapes() -> None:
+    """Issue 13's activation blocks: N >= 1024 wherever the output is 32x32 or smaller (a host-bound row would hide the
+    pointwise pass the epilogue saves); larger images keep the suite's N; no shape twice."""
+    from bench import bench_layerwise, harness
+
+    for spec in (bench_forward.forward_activation_spec("relu"), bench_layerwise.activation_spec("gelu")):
+        assert spec.suite == harness.ACTIVATION_SUITE
+    assert len(set(harness.ACTIVATION_SUITE)) == len(harness.ACTIVATION_SUITE)
+    for shape in harness.ACTIVATION_SUITE:
+        assert shape.n >= 1024 or shape.h * shape.w > 32 * 32, shape
+    assert {(s.c, s.h, s.k, s.kernel) for s in harness.SUITE} == {(s.c, s.h, s.k, s.kernel) for s in harness.ACTIVATION_SUITE}
