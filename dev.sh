@@ -10,7 +10,8 @@
 #                    over bench/sanitize_workload.py (sanitize); logs and results into DIR (`./dev.sh gpu $OUT tests`);
 #                    BENCHES="param_grad bias_grad" picks benchmarks (forward param_grad layerwise bias_grad
 #                    overhead demo; also stress_memory, cold_start, models and the activation blocks forward_<act>
-#                    and layerwise_<act>, e.g. forward_relu layerwise_gelu, not in the default list)
+#                    and layerwise_<act>, e.g. forward_relu layerwise_gelu, and forward_residual_<act>, not in the
+#                    default list)
 #
 # setup installs only what is missing: on a fresh CPU machine with PyPI, torch 2.14.1, pytest, scikit-learn,
 # cmake and the cuDNN frontend headers; on a machine that already has them (a GPU box without network, with
@@ -88,6 +89,9 @@ case "${1:-}" in
           forward|param_grad|layerwise)
             "$PYTHON" -m "bench.bench_$name" --plot --out "$out" > "/tmp/bench_$name.log" 2>&1 || status=1
             grep -A12 "summary" "/tmp/bench_$name.log" | grep -v "^plot\|^results" | head -14 ;;
+          forward_residual_*)  # forward_residual_relu: the residual block ending act(conv + bias + residual)
+            "$PYTHON" -m bench.bench_forward --residual --activation "${name#forward_residual_}" --out "$out" > "/tmp/bench_$name.log" 2>&1 || status=1
+            grep -A9 "summary" "/tmp/bench_$name.log" | head -11 ;;
           forward_*|layerwise_*)  # forward_relu, layerwise_gelu, ...: the conv + bias + activation block
             "$PYTHON" -m "bench.bench_${name%%_*}" --activation "${name#*_}" --out "$out" > "/tmp/bench_$name.log" 2>&1 || status=1
             grep -A8 "summary" "/tmp/bench_$name.log" | head -10 ;;

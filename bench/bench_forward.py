@@ -309,44 +309,96 @@ ACTIVATION_RATIOS: dict[str, tuple[str, str]] = {
     "ours_compiled_vs_compiled": ("torch_compiled", "ours_compiled"),
 }
 
+# --residual: the block ending act(conv + bias + residual).
+RESIDUAL_VARIANTS: dict[str, str] = {
+    "ours": "ConvBias2d, then out += residual and the activation module (torchvision's ResNet block ending)",
+    "ours_compiled": "torch.compile of the same (default mode: Inductor fuses the add with the activation)",
+    "torch_eager": "the same with nn.Conv2d (same parameters)",
+    "torch_compiled": "torch.compile of the nn.Conv2d ending (Inductor fuses bias add, residual add and activation)",
+    "torch_cudnn_add_relu": "relu only: torch.cudnn_convolution_add_relu(x, w, residual, 1, b, ...): the whole ending in "
+    "one legacy cuDNN call (what a residual add in our graph could give)",
+}
+
+RESIDUAL_RATIOS: dict[str, tuple[str, str]] = {
+    "speedup_vs_compiled": ("torch_compiled", "ours"),
+    "speedup": ("torch_eager", "ours"),
+    "ours_compiled_vs_compiled": ("torch_compiled", "ours_compiled"),
+    # > 1: one fused cuDNN call beats our graph + Inductor's add and activation (the gain a fused residual would bring).
+    "fused_ending_vs_ours_compiled": ("ours_compiled", "torch_cudnn_add_relu"),
+}
+
 GRAPHED_RATIOS: dict[str, tuple[str, str]] = {
     "graphed_vs_compiled": ("torch_compiled", "ours"),
     "graphed_speedup": ("torch_eager", "ours"),
     "graphed_vs_cudnn_relu": ("torch_cudnn_relu", "ours"),
+    "graphed_fused_ending_vs_ours_compiled": ("ours_compiled", "torch_cudnn_add_relu"),
 }
 
 
-def activation_variants(problem: Problem, activation: str) -> dict[str, Callable[[], torch.Tensor]]:
-    """The sides of the conv + bias + activation block, on the problem's channels_last tensors and parameters."""
-    ours = torch_convbias.ConvBias2d.from_conv(problem.conv_cl, activation=activation)
-    theirs = nn.Sequential(problem.conv_cl, ACTIVATION_MODULES[activation]())
-    ours_compiled, theirs_compiled = torch.compile(ours), torch.compile(theirs)
+class ResidualEnding(nn.Module):
+    """conv -> += residual -> activation: how torchvision's ResNet blocks end (``out += identity; out = relu(out)``),
+    with the convolution's own bias standing in for the folded batch norm's."""
+
+    def __init__(self, conv: nn.Module, activation: nn.Module) -> None:
+        super().__init__()
+        self.conv, self.activation = conv, activation
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        out = self.conv(x)
+        out += residual
+        return self.activation(out)
+
+
+def activation_variants(
+    problem: Problem, activation: str, residual: torch.Tensor | None = None
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """The sides of the conv + bias + activation block, on the problem's channels_last tensors and parameters. With
+    a ``residual`` the block is act(conv + bias + residual) (``--residual``): ours is ConvBias2d then the add and the
+    activation (fused by Inductor when compiled), and PyTorch's ``torch.cudnn_convolution_add_relu`` is the side that
+    runs the whole ending in one cuDNN call, i.e. what a residual add inside our graph could give."""
     x = problem.x_cl
+    args = (problem.stride, problem.padding, problem.dilation, 1)
+    if residual is None:
+        ours: nn.Module = torch_convbias.ConvBias2d.from_conv(problem.conv_cl, activation=activation)
+        theirs: nn.Module = nn.Sequential(problem.conv_cl, ACTIVATION_MODULES[activation]())
+        inputs: tuple[torch.Tensor, ...] = (x,)
+    else:
+        ours = ResidualEnding(torch_convbias.ConvBias2d.from_conv(problem.conv_cl), ACTIVATION_MODULES[activation]())
+        theirs = ResidualEnding(problem.conv_cl, ACTIVATION_MODULES[activation]())
+        inputs = (x, residual)
+    ours_compiled, theirs_compiled = torch.compile(ours), torch.compile(theirs)
     variants: dict[str, Callable[[], torch.Tensor]] = {
-        "ours": lambda: ours(x),
-        "ours_compiled": lambda: ours_compiled(x),
-        "torch_eager": lambda: theirs(x),
-        "torch_compiled": lambda: theirs_compiled(x),
+        "ours": lambda: ours(*inputs),
+        "ours_compiled": lambda: ours_compiled(*inputs),
+        "torch_eager": lambda: theirs(*inputs),
+        "torch_compiled": lambda: theirs_compiled(*inputs),
     }
-    if activation == "relu" and x.is_cuda:
-        args = (problem.stride, problem.padding, problem.dilation, 1)
+    if activation == "relu" and x.is_cuda and residual is None:
         variants["torch_cudnn_relu"] = lambda: torch.cudnn_convolution_relu(x, problem.w_cl, problem.bias, *args)
+    if activation == "relu" and x.is_cuda and residual is not None:
+        variants["torch_cudnn_add_relu"] = lambda: torch.cudnn_convolution_add_relu(
+            x, problem.w_cl, residual, 1.0, problem.bias, *args
+        )
     return variants
 
 
 def measure_activation(
-    shape: Shape, mode: Mode, device: str, warmup: int, iters: int, seed: int, activation: str
+    shape: Shape, mode: Mode, device: str, warmup: int, iters: int, seed: int, activation: str, residual: bool = False
 ) -> dict[str, Any]:
     """One (shape, mode) of the activation block: numerics of every side against float64, then per-call timings
     side by side, back to back, and CUDA-graphed."""
     torch._dynamo.reset()  # every row compiles the same module classes: a fresh recompile budget
     problem = make_problem(shape, mode, device, seed)
-    variants = activation_variants(problem, activation)
-    errors: dict[str, str] = {}
     args = (problem.stride, problem.padding, problem.dilation, 1)
-    reference = ACTIVATION_MODULES[activation]()(
-        F.conv2d(problem.x_nchw.double(), problem.w_nchw.double(), problem.bias.double(), *args)
-    )
+    conv64 = F.conv2d(problem.x_nchw.double(), problem.w_nchw.double(), problem.bias.double(), *args)
+    added: torch.Tensor | None = None
+    if residual:
+        # Of the output's magnitude (as an identity branch is), channels_last like the output.
+        added = torch.randn(conv64.shape, device=device, dtype=mode.dtype).contiguous(memory_format=torch.channels_last)
+        conv64 = conv64 + added.double()
+    variants = activation_variants(problem, activation, added)
+    errors: dict[str, str] = {}
+    reference = ACTIVATION_MODULES[activation]()(conv64)
     outputs: dict[str, torch.Tensor] = {}
     for name, fn in variants.items():
         try:
@@ -369,7 +421,7 @@ def measure_activation(
                 graph_errors[name] = short_error(error)
                 torch.cuda.synchronize()
     graphed_timings = harness.time_throughput(graphed, {}, device) if graphed else {}
-    spec = forward_activation_spec(activation)
+    spec = forward_activation_spec(activation, residual)
     return {
         "status": "partial" if errors else "ok",
         "error": None,
@@ -386,16 +438,17 @@ def measure_activation(
 
 
 @functools.cache
-def forward_activation_spec(activation: str) -> harness.Spec:
+def forward_activation_spec(activation: str, residual: bool = False) -> harness.Spec:
+    block = f"conv + bias + residual, {activation}" if residual else f"conv + bias + {activation}"
     return dataclasses.replace(
         SPEC,
-        name=f"{NAME}_{activation}",
+        name=f"{NAME}_residual_{activation}" if residual else f"{NAME}_{activation}",
         schema="torch_convbias.bench_forward_activation/1",
-        variants=ACTIVATION_VARIANTS,
+        variants=RESIDUAL_VARIANTS if residual else ACTIVATION_VARIANTS,
         suite=harness.ACTIVATION_SUITE,
-        ratios=ACTIVATION_RATIOS,
+        ratios=RESIDUAL_RATIOS if residual else ACTIVATION_RATIOS,
         headline="speedup_vs_compiled",
-        targets=ACTIVATION_TARGETS if activation == "relu" else {},
+        targets=ACTIVATION_TARGETS if activation == "relu" and not residual else {},
         row_fields=("back_to_back", "vs_compiled_back_to_back", "graphed", *GRAPHED_RATIOS, "graph_error", "numerics"),
         table=[
             ("shape", "label", ""),
@@ -403,35 +456,58 @@ def forward_activation_spec(activation: str) -> harness.Spec:
             ("torch_comp", "torch_compiled", ".3f"),
             ("vs_comp", "speedup_vs_compiled", ".2f"),
             ("speedup", "speedup", ".2f"),
-            ("vs_cudnn_relu", "vs_cudnn_relu", ".2f"),
+            ("fused_end/ours_c", "fused_ending_vs_ours_compiled", ".2f")
+            if residual
+            else ("vs_cudnn_relu", "vs_cudnn_relu", ".2f"),
             ("b2b_vs_comp", "vs_compiled_back_to_back", ".2f"),
             ("graphed_vs_comp", "graphed_vs_compiled", ".2f"),
             *harness.VERDICT_COLUMNS,
         ],
-        legend=f"conv + bias + {activation}, channels_last; vs_comp: torch_compiled / ours (> 1: ours faster)",
-        config={"activation": activation, "compiled": "torch.compile default mode"},
-        headline_definition=f"speedup = compiled nn.Conv2d + {activation} / ours",
-        ylabel=f"speedup vs compiled nn.Conv2d + {activation}",
+        legend=f"{block}, channels_last; vs_comp: torch_compiled / ours (> 1: ours faster)",
+        config={"activation": activation, "residual": residual, "compiled": "torch.compile default mode"},
+        headline_definition=f"speedup = compiled nn.Conv2d block ({block}) / ours",
+        ylabel=f"speedup vs compiled nn.Conv2d ({block})",
         display_extra=None,
         describe_ratios=None,
         summarize_extra=lambda rows: {
             **harness.ratio_summary(rows, "vs_compiled_back_to_back"),
             **harness.ratio_summary(rows, "graphed_vs_compiled"),
+            **(harness.ratio_summary(rows, "graphed_fused_ending_vs_ours_compiled") if residual else {}),
         },
         describe_extra=lambda summary: (
             harness.describe_ratio_summary(summary, "vs_compiled_back_to_back", "back to back, vs compiled nn")
             + f"\n{'':>15}"
             + harness.describe_ratio_summary(summary, "graphed_vs_compiled", "CUDA-graphed, vs compiled nn")
+            + (
+                f"\n{'':>15}"
+                + harness.describe_ratio_summary(
+                    summary,
+                    "graphed_fused_ending_vs_ours_compiled",
+                    "CUDA-graphed, ours compiled / cudnn_convolution_add_relu (> 1: a fused residual would gain)",
+                )
+                if residual
+                else ""
+            )
         ),
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark; returns the exit status (0 also when targets are missed: that is a result)."""
+    """Run the benchmark; returns the exit status (0 also when targets are missed: that is a result). ``--residual``
+    (with ``--activation``) times the residual block ending act(conv + bias + residual) instead."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    residual = "--residual" in args
+    if residual:
+        args.remove("--residual")
+        if not any(a == "--activation" or a.startswith("--activation=") for a in args):
+            print("bench_forward: --residual needs --activation NAME", file=sys.stderr)
+            return 2
     return harness.run_with_activation(
-        argv,
-        lambda activation: SPEC if activation == "identity" else forward_activation_spec(activation),
-        lambda activation: measure if activation == "identity" else functools.partial(measure_activation, activation=activation),
+        args,
+        lambda activation: SPEC if activation == "identity" else forward_activation_spec(activation, residual),
+        lambda activation: measure
+        if activation == "identity"
+        else functools.partial(measure_activation, activation=activation, residual=residual),
         ACTIVATION_MODULES,
     )
 

@@ -238,3 +238,36 @@ def test_activation_blocks_run_gpu_bound_shapes() -> None:
     for shape in harness.ACTIVATION_SUITE:
         assert shape.n >= 1024 or shape.h * shape.w > 32 * 32, shape
     assert {(s.c, s.h, s.k, s.kernel) for s in harness.SUITE} == {(s.c, s.h, s.k, s.kernel) for s in harness.ACTIVATION_SUITE}
+
+
+def test_forward_residual_ending_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--activation relu --residual: relu(conv + bias + residual), torchvision's block ending, every side checked
+    against float64 (a side that dropped the residual would fail); torch.cudnn_convolution_add_relu joins on CUDA."""
+    from bench import harness
+
+    monkeypatch.setattr(harness, "QUICK_SUITE", harness.QUICK_SUITE[:1])
+    assert bench_forward.main([*FAST, "--modes", "fp32", "--activation", "relu", "--residual", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("forward_residual_relu-*.json")
+    results = json.loads(path.read_text())
+    assert results["config"]["residual"] is True
+    (row,) = results["rows"]
+    assert row["status"] == "ok", row["variant_errors"]
+    expected = set(bench_forward.RESIDUAL_VARIANTS) - {"torch_cudnn_add_relu"}  # a CUDA op
+    assert set(row["timings"]) == expected == set(row["numerics"]["checks"])
+    assert row["numerics"]["passed"] and row["speedup_vs_compiled"] > 0
+    assert row["fused_ending_vs_ours_compiled"] is None  # no cuDNN op on the CPU
+    assert bench_forward.main(["--residual", *FAST]) == 2  # a residual needs an activation
+
+
+def test_forward_residual_reference_catches_a_dropped_residual() -> None:
+    """The residual ending's float64 check fails a side that left the residual out."""
+    torch.manual_seed(0)
+    mode = common.modes()["bf16"]
+    conv = torch.nn.Conv2d(8, 8, 3, padding=1).double()
+    x = torch.randn(2, 8, 8, 8, dtype=torch.float64)
+    residual = torch.randn(2, 8, 8, 8, dtype=torch.float64)
+    block = bench_forward.ResidualEnding(conv, torch.nn.ReLU())
+    with torch.no_grad():
+        reference = torch.relu(conv(x) + residual)
+        assert common.check_against_float64(block(x, residual.clone()), reference, mode)["passed"]
+        assert not common.check_against_float64(torch.relu(conv(x)), reference, mode)["passed"]
