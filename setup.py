@@ -238,7 +238,8 @@ def op_library() -> CUDAExtension:
         sources=sources,
         include_dirs=[str(ROOT / "csrc"), str(cudnn_include), str(frontend_include), *extra_includes],
         # The C++ standard is left to torch (C++17 or C++20 depending on its version).
-        extra_compile_args={"cxx": opt, "nvcc": opt},
+        # --extended-lambda: ATen's gpu_kernel (cuda/bias_activation.cu) launches __host__ __device__ lambdas.
+        extra_compile_args={"cxx": opt, "nvcc": [*opt, "--extended-lambda"]},
         extra_link_args=cudnn_link_args(cudnn_lib) + nvrtc_link_args() + torch_rpath_args(),
         py_limited_api=False,
     )

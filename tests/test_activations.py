@@ -231,6 +231,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The op's reference for each activation name (slope: leaky_relu's).
 REFERENCE = {
+    "identity": lambda t, slope: t,
     "relu": lambda t, slope: F.relu(t),
     "leaky_relu": lambda t, slope: F.leaky_relu(t, slope),
     "gelu": lambda t, slope: F.gelu(t),
@@ -290,7 +291,13 @@ def check_consistent(info: dict, name: str, slope: float = 0.01) -> None:
         assert "epilogue" in act["how"], act
     else:
         assert not any(op.endswith("_FWD") or "_FWD(" in op for op in ops), info
-        assert "ATen" in act["how"] and act["why"], act
+        if info["path"] == "conv+bias_add" and not act["keeps_preactivation"]:
+            assert act["how"] == ONE_PASS, act  # our bias + activation kernel after the conv graph
+        else:
+            assert "ATen" in act["how"] and act["why"], act
+
+
+ONE_PASS = "one pass adding the bias and applying the activation over the conv graph's output"
 
 
 @needs_cuda
@@ -361,7 +368,7 @@ def test_leaky_relu_slope_is_in_the_graph_and_the_key() -> None:
 @needs_cuda
 @pytest.mark.parametrize("timed", [False, True], ids=["untimed", "benchmark"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("name", list(REFERENCE))
+@pytest.mark.parametrize("name", [name for name in REFERENCE if name != "identity"])
 def test_every_activation_is_right_fused_or_not(name: str, dtype: torch.dtype, timed: bool) -> None:
     """Whichever route each activation takes (the epilogue where it builds and, when timed, is faster), the result
     is conv + bias + activation and explain says which route ran and why. Under cudnn.benchmark the epilogue was
@@ -649,3 +656,44 @@ def test_explain_param_grad_with_an_activation_on_cpu() -> None:
     info = torch_convbias.explain_param_grad(grad, x, w, padding=1, activation="gelu", saved=torch.randn(2, 8, 6, 6))
     assert info["activation_backward"]["way"] == "aten" and info["activation_backward"]["derivative_from"] == "pre-activation"
     assert info["bias_grad"]["way"] == "aten" and info["weight_grad"]["path"] == "aten", info
+
+
+ONE_PASS_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, "tests")
+from test_activations import cuda_problem, reference, check_output
+import torch_convbias
+torch.backends.cudnn.allow_tf32 = False
+rows = {}
+for i, name in enumerate(["relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh"]):
+    for j, dtype in enumerate([torch.float32, torch.float16, torch.bfloat16]):
+        x, w, b = cuda_problem(2, 16, 24, 9 + j, dtype, seed=40 + i)
+        out = torch_convbias.conv_bias2d(x, w, b, padding=1, activation=name, negative_slope=0.2)
+        check_output(out, reference(x, w, b, name, 0.2))
+        assert out.is_contiguous(memory_format=torch.channels_last)
+        rows[f"{name}-{dtype}"] = torch_convbias.explain(x, w, b, padding=1, activation=name, negative_slope=0.2)
+# The pre-activation kept (autograd's gelu): ATen's bias add, then the activation out of place.
+x, w, b = cuda_problem(2, 16, 24, 12, torch.float16, seed=60)
+out, z = torch.ops.convbias._forward_with_preactivation(x, w, b, [1, 1], [1, 1], [1, 1], 1, "gelu", 0.01)
+check_output(z, reference(x, w, b, "identity", 0.01))
+check_output(out, reference(x, w, b, "gelu", 0.01))
+rows["keeps"] = torch_convbias.explain(x, w, b, padding=1, activation="gelu", for_backward=True)
+print(json.dumps(rows))
+"""
+
+
+@needs_cuda
+def test_conv_graph_then_one_bias_activation_pass() -> None:
+    """TORCH_CONVBIAS_PATH=unfused: the conv graph, then one pass of ours adding the bias and applying the activation
+    (what Inductor runs after nn.Conv2d's convolution), right for every activation and dtype, explain saying so; with
+    the pre-activation kept, ATen's bias add and the activation out of place."""
+    result = run_with_knobs(ONE_PASS_SCRIPT, TORCH_CONVBIAS_PATH="unfused")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    keeps = rows.pop("keeps")
+    for row, info in rows.items():
+        assert info["path"] == "conv+bias_add" and info["graph_ops"] == ["CONV_FPROP"], (row, info)
+        assert info["activation"]["fused"] is False and info["activation"]["how"] == ONE_PASS, (row, info)
+        check_consistent(info, info["activation"]["name"], 0.2)
+    assert keeps["path"] == "conv+bias_add" and keeps["activation"]["keeps_preactivation"] is True, keeps
+    assert "ATen" in keeps["activation"]["how"], keeps

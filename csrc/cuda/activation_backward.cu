@@ -8,6 +8,7 @@
 // leaky_relu_backward, gelu_backward with approximate none / tanh, silu_backward, sigmoid_backward, tanh_backward),
 // computed in the same opmath type, so that dz agrees with ATen's to the last bit but for contraction into FMAs.
 #include "cuda/activation_backward.h"
+#include "cuda/activation_math.cuh"
 #include "cuda/column_sum.cuh"
 
 #include <ATen/ATen.h>
@@ -21,25 +22,6 @@ namespace {
 using column_sum::Accumulator;
 using column_sum::kVectorBytes;
 using column_sum::Lanes;
-
-__device__ inline float exp_of(float x) {
-  return expf(x);
-}
-__device__ inline double exp_of(double x) {
-  return exp(x);
-}
-__device__ inline float erf_of(float x) {
-  return erff(x);
-}
-__device__ inline double erf_of(double x) {
-  return erf(x);
-}
-__device__ inline float tanh_of(float x) {
-  return tanhf(x);
-}
-__device__ inline double tanh_of(double x) {
-  return tanh(x);
-}
 
 // d(loss)/dz from g = d(loss)/d(act(z)) and the saved value: y = act(z) (output) or z (pre-activation).
 

@@ -131,6 +131,9 @@ Json activation_json(
         (plan->preactivation_output ? "two output writes (the pre-activation, then the activation)"
                                     : "one output write");
     j["why"] = plan->activation_why;
+  } else if (plan->path == cuda::FpropPath::ConvThenBiasAdd && !keeps) {
+    j["how"] = "one pass adding the bias and applying the activation over the conv graph's output";
+    j["why"] = plan->activation_why.empty() ? "the graph without the activation was chosen" : plan->activation_why;
   } else {
     j["how"] = "ATen's pointwise kernel over the cuDNN graph's output" + kept;
     j["why"] = plan->activation_why.empty() ? "the graph without the activation was chosen" : plan->activation_why;

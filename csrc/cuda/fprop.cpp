@@ -7,6 +7,7 @@
 #include <iterator>
 #include <sstream>
 
+#include "cuda/bias_activation.h"
 #include "cuda/epilogue.h"
 #include "cuda/plan_store.h"
 #include "reference.h"
@@ -194,6 +195,11 @@ std::pair<at::Tensor, at::Tensor> run_plan(
   execute_plan(*plan.graph, plan.engine, pack, x.options(), [&] {
     return graph_name(form, problem.activation) + " for " + problem.describe();
   });
+  if (plan.path == FpropPath::ConvThenBiasAdd && !problem.activation.is_identity() && !problem.keep_preactivation) {
+    // One pass after the conv graph: bias add and activation (the pass Inductor makes after nn.Conv2d's convolution).
+    bias_activation_(y, *b, problem.activation);
+    return {y, at::Tensor()};
+  }
   if (plan.path == FpropPath::ConvThenBiasAdd) {
     y.add_(b->view({1, -1, 1, 1}));
   }
@@ -250,8 +256,10 @@ void choose_graph_without_epilogue(
     plan.graph = a.graph;
     plan.engine = a.engine;
   };
-  // Time both complete paths on these tensors: fused graph vs conv graph + ATen bias add (when their workspace
-  // can be allocated: else the fused graph is taken unmeasured). The activation, ATen's pass after either, is left out.
+  // Time both complete paths on these tensors: fused graph vs conv graph + bias add (when their workspace can be
+  // allocated: else the fused graph is taken unmeasured), each with the activation as run_plan applies it after that
+  // graph: ATen's pass after the fused graph, one bias + activation pass after the conv graph (the pre-activation
+  // kept: ATen's bias add, then the activation out of place, after either).
   const at::Tensor workspace = fused_ok && unfused_ok
       ? try_workspace(std::max(fused->engine.workspace_bytes, unfused->engine.workspace_bytes), x.options())
       : at::Tensor();
@@ -259,15 +267,34 @@ void choose_graph_without_epilogue(
     auto fused_pack = variant_pack(x, w, b, y, true);
     auto conv_pack = variant_pack(x, w, b, y, false);
     const at::Tensor bias_view = b->view({1, -1, 1, 1});
-    plan.fused_ms = time_on_stream(
-        [&] { execute(*fused->graph, fused->engine.plan_index, workspace.data_ptr(), fused_pack, p, with_bias); });
+    const bool one_pass = !p.activation.is_identity() && !p.keep_preactivation;
+    const auto format = p.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+    at::Tensor out = y; // the activation's result: y itself, or a new tensor when the pre-activation is kept
+    auto activation_after = [&] {
+      if (p.keep_preactivation) {
+        out = activation_after_preactivation(y, p.activation, format);
+      } else {
+        apply_activation_(out, p.activation);
+      }
+    };
+    plan.fused_ms = time_on_stream([&] {
+      execute(*fused->graph, fused->engine.plan_index, workspace.data_ptr(), fused_pack, p, with_bias);
+      activation_after();
+    });
     plan.unfused_ms = time_on_stream([&] {
       execute(*unfused->graph, unfused->engine.plan_index, workspace.data_ptr(), conv_pack, p, conv_only);
-      y.add_(bias_view);
+      if (one_pass) {
+        bias_activation_(out, *b, p.activation);
+      } else {
+        y.add_(bias_view);
+        activation_after();
+      }
     });
     if (plan.unfused_ms < plan.fused_ms) {
       take(*unfused, FpropPath::ConvThenBiasAdd);
-      plan.notes.push_back("conv graph + bias add measured faster than the fused graph");
+      plan.notes.push_back(
+          one_pass ? "conv graph + one bias and activation pass measured faster than the fused graph + the activation"
+                   : "conv graph + bias add measured faster than the fused graph");
     } else {
       take(*fused, FpropPath::Fused);
     }
