@@ -5,6 +5,7 @@
 //   convbias::_forward_with_preactivation (both tensors from one call) and keeps the pre-activation. With an
 //   activation, convbias::_activation_backward first gives the gradient at the convolution's output (dz) and, in the
 //   same pass, the bias gradient; param_grad then computes the weight gradient of dz alone;
+// - forward_residual: as forward, the residual's gradient being the gradient at the sum (ForwardResidualFunction);
 // - param_grad and _activation_backward: not differentiable; when their inputs require grad (create_graph=True
 //   through forward) their outputs get a backward that raises NotImplementedError, rather than silently wrong
 //   second-order gradients.
@@ -13,6 +14,7 @@
 #include <torch/library.h>
 
 #include "activation.h"
+#include "conv_args.h"
 #include "convbias.h"
 #include "reference.h"
 
@@ -172,6 +174,93 @@ class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
   }
 };
 
+// forward_residual: act(conv + bias + residual). The residual's gradient is the gradient at the sum, dz, which the
+// parameter and input gradients are taken of too. An activation whose derivative needs the pre-activation runs the
+// op without it (z = conv + bias + residual, kept) and ATen's activation out of place after it.
+class ForwardResidualFunction : public torch::autograd::Function<ForwardResidualFunction> {
+ public:
+  static at::Tensor forward(
+      AutogradContext* ctx,
+      const at::Tensor& input,
+      const at::Tensor& weight,
+      const std::optional<at::Tensor>& bias,
+      const at::Tensor& residual,
+      c10::SymIntArrayRef stride,
+      c10::SymIntArrayRef padding,
+      c10::SymIntArrayRef dilation,
+      const c10::SymInt& groups,
+      c10::string_view activation,
+      double negative_slope) {
+    const ActivationSpec spec = parse_activation("convbias.forward_residual", activation, negative_slope);
+    ctx->saved_data["stride"] = stride;
+    ctx->saved_data["padding"] = padding;
+    ctx->saved_data["dilation"] = dilation;
+    ctx->saved_data["groups"] = groups;
+    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+    ctx->saved_data["activation"] = std::string(activation);
+    ctx->saved_data["negative_slope"] = negative_slope;
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::Tensor output;
+    at::Tensor for_derivative;
+    if (spec.is_identity() || spec.backward_from_output()) {
+      output = forward_residual_symint(
+          input, weight, bias, residual, stride, padding, dilation, groups, activation, negative_slope);
+      for_derivative = spec.is_identity() ? at::Tensor() : output;
+    } else {
+      for_derivative = forward_residual_symint(input, weight, bias, residual, stride, padding, dilation, groups);
+      output = activation_after_preactivation(for_derivative, spec, output_memory_format(input, weight));
+    }
+    ctx->save_for_backward({weight.requires_grad() ? input : input_stand_in(input), weight, for_derivative});
+    return output;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& input = saved[0];
+    const at::Tensor& weight = saved[1];
+    const std::string& activation = ctx->saved_data["activation"].toStringRef();
+    const double negative_slope = ctx->saved_data["negative_slope"].toDouble();
+    const ActivationSpec spec = parse_activation("convbias.forward_residual", activation, negative_slope);
+    const auto stride = ctx->saved_data["stride"].toSymIntVector();
+    const auto padding = ctx->saved_data["padding"].toSymIntVector();
+    const auto dilation = ctx->saved_data["dilation"].toSymIntVector();
+    const c10::SymInt groups = ctx->saved_data["groups"].toSymInt();
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    // needs_input_grad indexes the tensor inputs that were given: input, weight, bias if any, residual.
+    const bool needs_input = ctx->needs_input_grad(0);
+    const bool needs_weight = ctx->needs_input_grad(1);
+    const bool needs_bias = has_bias && ctx->needs_input_grad(2);
+    const bool needs_residual = ctx->needs_input_grad(has_bias ? 3 : 2);
+
+    at::Tensor grad_z = grad_outputs[0];
+    at::Tensor grad_input, grad_weight, grad_bias;
+    bool bias_done = false;
+    if (!spec.is_identity()) {
+      auto [dz, fused_grad_bias] = activation_backward_call(grad_z, saved[2], activation, negative_slope, needs_bias);
+      grad_z = std::move(dz);
+      if (fused_grad_bias.has_value()) {
+        grad_bias = std::move(*fused_grad_bias);
+        bias_done = true;
+      }
+    }
+    if (needs_input) {
+      grad_input = input_gradient(grad_z, input, weight, stride, padding, dilation, groups);
+    }
+    const bool param_bias = needs_bias && !bias_done;
+    if (needs_weight || param_bias) {
+      auto [w, b] =
+          param_grad_symint(grad_z, input, weight, stride, padding, dilation, groups, {needs_weight, param_bias});
+      grad_weight = w.value_or(at::Tensor());
+      if (param_bias) {
+        grad_bias = b.value_or(at::Tensor());
+      }
+    }
+    return {grad_input,   grad_weight,  grad_bias,    needs_residual ? grad_z : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
 constexpr const char* kNoDoubleBackward =
     "convbias: double backward (gradients of convbias.param_grad or convbias._activation_backward, e.g. "
     "autograd.grad(..., create_graph=True) through convbias.forward) is not implemented; use "
@@ -298,10 +387,34 @@ at::Tensor forward_autograd(
   return ForwardFunction::apply(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
 }
 
+at::Tensor forward_residual_autograd(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    const at::Tensor& residual,
+    c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding,
+    c10::SymIntArrayRef dilation,
+    c10::SymInt groups,
+    c10::string_view activation,
+    double negative_slope) {
+  const bool records = c10::GradMode::is_enabled() &&
+      (input.requires_grad() || weight.requires_grad() || residual.requires_grad() ||
+       (bias.has_value() && bias->defined() && bias->requires_grad()));
+  if (!records) {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return forward_residual_symint(
+        input, weight, bias, residual, stride, padding, dilation, std::move(groups), activation, negative_slope);
+  }
+  return ForwardResidualFunction::apply(
+      input, weight, bias, residual, stride, padding, dilation, groups, activation, negative_slope);
+}
+
 } // namespace
 
 TORCH_LIBRARY_IMPL(convbias, Autograd, m) {
   m.impl("forward", &forward_autograd);
+  m.impl("forward_residual", &forward_residual_autograd);
   m.impl("param_grad", &param_grad_autograd);
   m.impl("_activation_backward", &activation_backward_autograd);
 }

@@ -139,6 +139,27 @@ std::pair<ConvParams, ActivationSpec> check_forward_call(
   return {params, parse_activation("convbias.forward", activation, negative_slope)};
 }
 
+std::pair<ConvParams, ActivationSpec> check_forward_residual_call(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    const at::Tensor& residual,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    c10::string_view activation,
+    double negative_slope) {
+  constexpr const char* op = "convbias.forward_residual";
+  ConvParams params = check_forward_args(input, weight, bias, stride, padding, dilation, groups);
+  check_like_input(op, "residual", residual, input);
+  const auto expected = output_size(input, weight, params);
+  TORCH_CHECK_VALUE(
+      residual.sizes() == at::IntArrayRef(expected), op, ": expected `residual` of shape ", at::IntArrayRef(expected),
+      " (the convolution's output shape), got ", residual.sizes());
+  return {params, parse_activation(op, activation, negative_slope)};
+}
+
 ConvParams check_param_grad_args(
     const at::Tensor& grad_output,
     const at::Tensor& input,

@@ -46,6 +46,20 @@ std::pair<ConvParams, ActivationSpec> check_forward_call(
     c10::string_view activation,
     double negative_slope);
 
+// check_forward_call, then `residual` (convbias::forward_residual): the input's dtype and device, the convolution's
+// output shape.
+std::pair<ConvParams, ActivationSpec> check_forward_residual_call(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    const at::Tensor& residual,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    c10::string_view activation,
+    double negative_slope);
+
 // Checks the arguments of convbias::param_grad: the forward's checks on (input, weight) plus a grad_output of
 // the forward's output shape, dtype and device.
 ConvParams check_param_grad_args(

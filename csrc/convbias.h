@@ -51,6 +51,43 @@ inline at::Tensor forward(
       c10::fromIntArrayRefSlow(dilation), c10::SymInt(groups), activation, negative_slope);
 }
 
+// act(F.conv2d(input, weight, bias, ...) + residual): a residual block's ending in one op (csrc/ops.cpp).
+inline at::Tensor forward_residual_symint(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    const at::Tensor& residual,
+    c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding,
+    c10::SymIntArrayRef dilation,
+    c10::SymInt groups,
+    c10::string_view activation = "identity",
+    double negative_slope = 0.01) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("convbias::forward_residual", "")
+                             .typed<at::Tensor(
+                                 const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                 const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymIntArrayRef,
+                                 c10::SymInt, c10::string_view, double)>();
+  return op.call(input, weight, bias, residual, stride, padding, dilation, std::move(groups), activation, negative_slope);
+}
+
+inline at::Tensor forward_residual(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    const at::Tensor& residual,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    c10::string_view activation = "identity",
+    double negative_slope = 0.01) {
+  return forward_residual_symint(
+      input, weight, bias, residual, c10::fromIntArrayRefSlow(stride), c10::fromIntArrayRefSlow(padding),
+      c10::fromIntArrayRefSlow(dilation), c10::SymInt(groups), activation, negative_slope);
+}
+
 // (grad_weight, grad_bias) of forward for the given grad_output; output_mask says which to compute.
 inline std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_symint(
     const at::Tensor& grad_output,

@@ -10,6 +10,15 @@ TORCH_LIBRARY(convbias, m) {
   m.def(
       "forward(Tensor input, Tensor weight, Tensor? bias, SymInt[2] stride, SymInt[2] padding, "
       "SymInt[2] dilation, SymInt groups, str activation=\"identity\", float negative_slope=0.01) -> Tensor");
+  // act(F.conv2d(input, weight, bias, ...) + residual): the ending of a residual block (torchvision's ResNet:
+  // `out += identity; out = relu(out)`, the batch norm folded into the bias) in one op. `residual` has the
+  // convolution's output shape, dtype and device; the output has forward's memory format. On CUDA (channels_last) one
+  // cuDNN graph conv -> bias ADD -> residual ADD -> activation where an engine runs it; elsewhere forward's route, then
+  // the add and the activation.
+  m.def(
+      "forward_residual(Tensor input, Tensor weight, Tensor? bias, Tensor residual, SymInt[2] stride, "
+      "SymInt[2] padding, SymInt[2] dilation, SymInt groups, str activation=\"identity\", "
+      "float negative_slope=0.01) -> Tensor");
   // Internal, for forward's autograd (csrc/autograd.cpp) with an activation whose derivative needs the pre-activation
   // (gelu, gelu_tanh, silu, leaky_relu with a negative slope): (act(z), z) for z = F.conv2d(input, weight, bias, ...),
   // both of forward's output shape, dtype and memory format, in one call. On CUDA (channels_last) one cuDNN graph
@@ -39,6 +48,11 @@ TORCH_LIBRARY(convbias, m) {
   m.def(
       "_explain(Tensor input, Tensor weight, Tensor? bias, int[2] stride, int[2] padding, int[2] dilation, "
       "int groups, str activation=\"identity\", float negative_slope=0.01, bool for_backward=False) -> str");
+  // The path forward_residual takes for these arguments, as JSON: _explain's keys, and `residual` (in the cuDNN graph
+  // or added after it, and why).
+  m.def(
+      "_explain_residual(Tensor input, Tensor weight, Tensor? bias, Tensor residual, int[2] stride, int[2] padding, "
+      "int[2] dilation, int groups, str activation=\"identity\", float negative_slope=0.01) -> str");
   // The way param_grad computes the weight and bias gradients for these arguments, as JSON (graph or ATen and why,
   // engine, timings; the bias gradient's way and launch configuration). Builds and caches plans as param_grad would.
   m.def(

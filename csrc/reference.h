@@ -30,6 +30,20 @@ at::Tensor forward_reference(
     int64_t groups,
     const ActivationSpec& activation = {});
 
+// act(conv(input, weight) + bias + residual) by ATen: convolution, then the residual added and the activation applied
+// before a 16-bit CPU result is rounded (on CUDA the convolution's 16-bit output is rounded before the add), in the
+// layout F.conv2d returns. Arguments must have passed check_forward_residual_call.
+at::Tensor forward_residual_reference(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    const at::Tensor& residual,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    const ActivationSpec& activation);
+
 // (act(z), z) for z = conv(input, weight) + bias by ATen: z rounded to the input's dtype first, then the activation
 // applied to it out of place (for identity a copy, so that the two outputs never alias). The second rounding is what
 // the CUDA route without the activation in its graph computes too; a graph writing both may read the FP32 z instead, so

@@ -106,6 +106,28 @@ def check_forward_args(
             )
 
 
+def check_forward_residual_args(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> None:
+    """Raise as convbias::forward_residual's kernels do: forward's checks, then `residual` of the input's dtype and
+    device and the convolution's output shape."""
+    check_forward_args(input, weight, bias, stride, padding, dilation, groups)
+    op = "convbias.forward_residual"
+    _check_like_input(op, "residual", residual, input)
+    expected = output_size(input, weight, stride, padding, dilation)
+    if list(residual.shape) != expected:
+        raise ValueError(
+            f"{op}: expected `residual` of shape {expected} (the convolution's output shape), got {list(residual.shape)}"
+        )
+
+
 # csrc/activation.cpp's names, in its order (the messages list them so).
 ACTIVATIONS = ("identity", "relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh")
 

@@ -41,6 +41,7 @@ def explain(
     activation: str = "identity",
     negative_slope: float = 0.01,
     for_backward: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """The path ``conv_bias2d`` with these arguments takes, under the current torch flags.
 
@@ -64,10 +65,23 @@ def explain(
     leaky_relu with a negative slope then keep the pre-activation for their derivative
     (``torch.ops.convbias._forward_with_preactivation``: on CUDA channels_last one graph writing both tensors, its own
     plan); the other activations take the same path as without it.
+
+    With ``residual`` it explains ``conv_bias2d(..., residual=residual)`` (``torch.ops.convbias.forward_residual``):
+    the same keys, and ``residual`` (``fused``: the residual ADD is in the cuDNN graph, before the activation;
+    ``how``; ``why``). ``for_backward`` does not apply to it.
     """
     stride, dilation = _pair("stride", stride), _pair("dilation", dilation)
     if isinstance(padding, str):
         input, padding = _resolve_string_padding(input, weight, padding, stride, dilation)
+    if residual is not None:
+        if for_backward:
+            raise ValueError("explain: `for_backward` does not apply with a `residual`")
+        return json.loads(
+            torch.ops.convbias._explain_residual(
+                input, weight, bias, residual, stride, _pair("padding", padding), dilation, groups, activation,
+                float(negative_slope),
+            )
+        )
     return json.loads(
         torch.ops.convbias._explain(
             input,

@@ -83,9 +83,14 @@ def conv_bias2d(
     groups: int = 1,
     activation: str = "identity",
     negative_slope: float = 0.01,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``torch.nn.functional.conv2d``'s signature and result, computed by ``torch.ops.convbias.forward``, with an
     optional activation applied in the same call.
+
+    With ``residual`` (a tensor of the convolution's output shape, dtype and device) the result is
+    ``act(conv2d(input, weight, bias) + residual)``, a residual block's ending, by
+    ``torch.ops.convbias.forward_residual`` (on CUDA one cuDNN graph where an engine runs it).
 
     ``input`` is (N, C, H, W) or unbatched (C, H, W); ``padding`` is an int, a (height, width) pair, ``'valid'``
     or ``'same'``. ``activation``: ``'identity'`` (none), ``'relu'``, ``'leaky_relu'`` (``negative_slope``, as
@@ -107,5 +112,13 @@ def conv_bias2d(
         input, padding = _resolve_string_padding(input, weight, padding, stride, dilation)
     else:
         padding = _pair("padding", padding)
-    output = _forward(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope)
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"conv_bias2d: expected `residual` to be a tensor or None, got {type(residual).__name__}")
+        residual = residual.unsqueeze(0) if unbatched else residual
+        output = ops.forward_residual(
+            input, weight, bias, residual, stride, padding, dilation, groups, activation, negative_slope
+        )
+    else:
+        output = _forward(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope)
     return output.squeeze(0) if unbatched else output

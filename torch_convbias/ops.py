@@ -25,6 +25,7 @@ import torch
 from . import _validation
 
 forward = torch.ops.convbias.forward
+forward_residual = torch.ops.convbias.forward_residual
 param_grad = torch.ops.convbias.param_grad
 activation_backward = torch.ops.convbias._activation_backward
 
@@ -43,6 +44,30 @@ def _forward_fake(
 ) -> torch.Tensor:
     _validation.check_forward_args(input, weight, bias, stride, padding, dilation, groups)
     _validation.check_activation(activation, negative_slope)
+    return torch.empty(
+        _validation.output_size(input, weight, stride, padding, dilation),
+        dtype=input.dtype,
+        device=input.device,
+        memory_format=_validation.output_memory_format(input, weight),
+    )
+
+
+@torch.library.register_fake("convbias::forward_residual")
+def _forward_residual_fake(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    activation: str = "identity",
+    negative_slope: float = 0.01,
+) -> torch.Tensor:
+    """As forward's output: the residual has its shape and does not change the memory format."""
+    _validation.check_forward_residual_args(input, weight, bias, residual, stride, padding, dilation, groups)
+    _validation.check_activation(activation, negative_slope, op="convbias.forward_residual")
     return torch.empty(
         _validation.output_size(input, weight, stride, padding, dilation),
         dtype=input.dtype,

@@ -45,6 +45,27 @@ at::Tensor forward_reference(
   return with_layout(out, output_memory_format(input, weight));
 }
 
+at::Tensor forward_residual_reference(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    const at::Tensor& residual,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    const ActivationSpec& activation) {
+  const std::optional<at::Tensor> bias_computable =
+      bias ? std::optional<at::Tensor>(cpu_computable(*bias)) : std::nullopt;
+  at::Tensor out = at::convolution(
+      cpu_computable(input), cpu_computable(weight), bias_computable, stride, padding,
+      effective_dilation(weight, dilation), false, {0, 0}, groups);
+  out.add_(cpu_computable(residual));
+  apply_activation_(out, activation);
+  out = out.to(input.scalar_type());
+  return with_layout(out, output_memory_format(input, weight));
+}
+
 at::Tensor activation_after_preactivation(
     const at::Tensor& z, const ActivationSpec& activation, at::MemoryFormat format) {
   // ATen's pointwise kernels keep a channels_last input's layout; with_layout pins the exact strides.
@@ -82,6 +103,25 @@ at::Tensor forward_cpu(
   const ActivationSpec spec =
       check_forward_call(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope).second;
   return forward_reference(input, weight, bias, stride, padding, dilation, groups, spec);
+}
+
+// convbias::forward_residual on the CPU: the ATen reference.
+at::Tensor forward_residual_cpu(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    const at::Tensor& residual,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    c10::string_view activation,
+    double negative_slope) {
+  const ActivationSpec spec = check_forward_residual_call(
+                                  input, weight, bias, residual, stride, padding, dilation, groups, activation,
+                                  negative_slope)
+                                  .second;
+  return forward_residual_reference(input, weight, bias, residual, stride, padding, dilation, groups, spec);
 }
 
 // convbias::_forward_with_preactivation on the CPU: the ATen reference (z rounded, then the activation of it).
@@ -171,6 +211,34 @@ std::string explain_cpu(
       .dump();
 }
 
+std::string explain_residual_cpu(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    const at::Tensor& residual,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    c10::string_view activation,
+    double negative_slope) {
+  const ActivationSpec spec = check_forward_residual_call(
+                                  input, weight, bias, residual, stride, padding, dilation, groups, activation,
+                                  negative_slope)
+                                  .second;
+  return Json{
+      {"path", "aten"},
+      {"residual", {{"fused", false}, {"how", "ATen: added to the convolution's output"}, {"why", "CPU tensors: no cuDNN graph"}}},
+      {"activation",
+       {{"name", activation_name(spec.kind)},
+        {"fused", false},
+        {"how", "ATen, after the residual, before the result is rounded"},
+        {"why", "CPU tensors: no cuDNN graph"}}},
+      {"graph_ops", Json::array()},
+      {"notes", Json::array({"CPU tensors run ATen's convolution (the reference path)"})}}
+      .dump();
+}
+
 std::string explain_param_grad_cpu(
     const at::Tensor& grad_output,
     const at::Tensor& input,
@@ -189,9 +257,11 @@ std::string explain_param_grad_cpu(
 
 TORCH_LIBRARY_IMPL(convbias, CPU, m) {
   m.impl("forward", &forward_cpu);
+  m.impl("forward_residual", &forward_residual_cpu);
   m.impl("_forward_with_preactivation", &forward_with_preactivation_cpu);
   m.impl("param_grad", &param_grad_reference);
   m.impl("_explain", &explain_cpu);
+  m.impl("_explain_residual", &explain_residual_cpu);
   m.impl("_explain_param_grad", &explain_param_grad_cpu);
 }
 

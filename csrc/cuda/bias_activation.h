@@ -1,4 +1,4 @@
-// The bias add and the activation in one pass over a convolution's output: what Inductor's fused pointwise kernel does
+// The bias add (or a residual's) and the activation in one pass over a convolution's output: what Inductor's fused pointwise kernel does
 // after nn.Conv2d's convolution under torch.compile. The conv graph + this pass is the route that competes with the
 // fused conv+bias graph + an activation pass (two passes after a slower engine, on strict fp32 where fused engines
 // cost 0-20% more than conv-only ones) when choices are timed.
@@ -10,8 +10,12 @@
 
 namespace convbias::cuda {
 
-// y = act(y + bias) in place, computed in the opmath type (FP32 for 16-bit and float, FP64 for double) and rounded
-// once; y is a CUDA tensor [N, K, H, W] of any layout, bias [K] of its dtype. Returns y.
+// y = act(y + addend) in place, computed in the opmath type (FP32 for 16-bit and float, FP64 for double) and rounded
+// once; y is a CUDA tensor of any layout, `addend` of its dtype and device, broadcastable to it (a residual of y's
+// shape, in any layout). Returns y.
+at::Tensor& add_activation_(at::Tensor& y, const at::Tensor& addend, const ActivationSpec& activation);
+
+// add_activation_ of the bias [K] of a [N, K, H, W] output, broadcast along N, H and W.
 at::Tensor& bias_activation_(at::Tensor& y, const at::Tensor& bias, const ActivationSpec& activation);
 
 } // namespace convbias::cuda

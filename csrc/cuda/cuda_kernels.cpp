@@ -14,6 +14,7 @@
 #include "activation.h"
 #include "conv_args.h"
 #include "cuda/activation_backward.h"
+#include "cuda/bias_activation.h"
 #include "cuda/bias_grad.h"
 #include "cuda/forward_setup.h"
 #include "cuda/wgrad.h"
@@ -43,6 +44,34 @@ at::Tensor forward_cuda(
   // In the layout F.conv2d returns: the problem's own (channels_last, or NCHW even via channels_last copies). The
   // activation is in the graph's epilogue or applied by run_fprop after it, as the plan says.
   return cuda::run_fprop(*route.plan, prepared.problem, prepared.x, prepared.w, prepared.b);
+}
+
+// act(conv + bias + residual): the residual's graph where its plan has one (channels_last), else forward's route for
+// conv + bias, then one pass adding the residual and applying the activation.
+at::Tensor forward_residual_cuda(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    const at::Tensor& residual,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    c10::string_view activation,
+    double negative_slope) {
+  const ActivationSpec spec = check_forward_residual_call(
+                                  input, weight, bias, residual, stride, padding, dilation, groups, activation,
+                                  negative_slope)
+                                  .second;
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  const ConvParams params = check_forward_args(input, weight, bias, stride, padding, dilation, groups);
+  const cuda::ResidualRoute route = cuda::route_forward_residual(input, weight, bias, residual, params, spec);
+  if (route.plan && route.plan->residual_fused) {
+    const cuda::PreparedForward& p = *route.prepared;
+    return cuda::run_fprop_residual(*route.plan, p.problem, p.x, p.w, p.b, route.r);
+  }
+  at::Tensor out = forward_cuda(input, weight, bias, stride, padding, dilation, groups, "identity", 0.01);
+  return cuda::add_activation_(out, residual, spec);
 }
 
 // (act(z), z): channels_last problems run the plan of the graph writing both (or the graph writing z, then ATen's
@@ -118,6 +147,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> activation_backward_cuda(
 
 TORCH_LIBRARY_IMPL(convbias, CUDA, m) {
   m.impl("forward", &forward_cuda);
+  m.impl("forward_residual", &forward_residual_cuda);
   m.impl("_forward_with_preactivation", &forward_with_preactivation_cuda);
   m.impl("param_grad", &param_grad_cuda);
   m.impl("_activation_backward", &activation_backward_cuda);

@@ -264,6 +264,80 @@ std::string explain_cuda(
   return out.dump();
 }
 
+// forward_residual's path: the residual's graph (the `residual` entry fused), or forward's route for conv + bias
+// (explained as explain_cuda does, identity) followed by one pass adding the residual and applying the activation.
+std::string explain_residual_cuda(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    const at::Tensor& residual,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    c10::string_view activation,
+    double negative_slope) {
+  const ActivationSpec spec = check_forward_residual_call(
+                                  input, weight, bias, residual, stride, padding, dilation, groups, activation,
+                                  negative_slope)
+                                  .second;
+  const ConvParams params = check_forward_args(input, weight, bias, stride, padding, dilation, groups);
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  const cuda::ResidualRoute route = cuda::route_forward_residual(input, weight, bias, residual, params, spec);
+  const auto& plan = route.plan;
+  if (plan && plan->residual_fused) {
+    const cuda::PreparedForward& prepared = *route.prepared;
+    const std::string node = spec.is_identity() ? "" : " -> " + cuda::epilogue_operation(spec);
+    const std::string how = std::string("in the cuDNN graph: conv -> ") +
+        (plan->path == cuda::FpropPath::Fused ? "bias add -> " : "") + "residual add" + node + ", FP32, one output write";
+    Json out{
+        {"math", math_json()},
+        {"path", cuda::path_name(plan->path)},
+        {"problem", prepared.problem.describe()},
+        {"layout", "channels_last"},
+        {"converted_input", prepared.converted_input},
+        {"output", "channels_last"},
+        {"cached", route.was_cached},
+        {"plan_build_seconds", route.build_seconds},
+        {"tuned", plan->tuned},
+        {"graph_ops", plan->graph_ops},
+        {"graph_outputs", Json::array({"output"})},
+        {"residual",
+         {{"fused", true},
+          {"how", how},
+          {"why", plan->notes.empty() ? "" : plan->notes.back()},
+          {"graph_ms", number(plan->epilogue_ms)},
+          {"separate_ms", number(plan->separate_activation_ms)}}},
+        {"activation",
+         {{"name", activation_name(spec.kind)},
+          {"fused", !spec.is_identity()},
+          {"how", spec.is_identity() ? "none" : how},
+          {"why", plan->notes.empty() ? "" : plan->notes.back()}}},
+        {"notes", plan->notes},
+        {"engine", engine_json(plan->engine)}};
+    return out.dump();
+  }
+  // Forward's route for conv + bias, then the pass: explained as forward explains it.
+  Json out = Json::parse(explain_cuda(input, weight, bias, stride, padding, dilation, groups, "identity", 0.01, false));
+  std::string why = route.why_not ? *route.why_not : "";
+  if (plan) {
+    out["cached"] = route.was_cached;
+    out["plan_build_seconds"] = route.build_seconds;
+    why = plan->notes.empty() ? "" : plan->notes.back();
+  }
+  const std::string pass = "one pass after forward's route: the residual added" +
+      std::string(spec.is_identity() ? "" : ", then the activation");
+  out["residual"] = {
+      {"fused", false},
+      {"how", pass},
+      {"why", why},
+      {"graph_ms", number(plan ? plan->epilogue_ms : -1.0f)},
+      {"separate_ms", number(plan ? plan->separate_activation_ms : -1.0f)}};
+  out["activation"] = {
+      {"name", activation_name(spec.kind)}, {"fused", false}, {"how", spec.is_identity() ? "none" : pass}, {"why", why}};
+  return out.dump();
+}
+
 } // namespace
 
 std::string math_flags() {
@@ -322,6 +396,7 @@ void plan_cache_clear() {
 
 TORCH_LIBRARY_IMPL(convbias, CUDA, m) {
   m.impl("_explain", &explain_cuda);
+  m.impl("_explain_residual", &explain_residual_cuda);
   m.impl("_explain_param_grad", &explain_param_grad_cuda);
   m.impl("_explain_activation_backward", &explain_activation_backward_cuda);
 }

@@ -61,4 +61,26 @@ ForwardRoute route_forward(
   return route;
 }
 
+ResidualRoute route_forward_residual(
+    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& residual, const ConvParams& params, const ActivationSpec& activation) {
+  ResidualRoute route;
+  route.why_not = aten_only_reason(input, weight);
+  if (route.why_not) {
+    return route;
+  }
+  constexpr auto cl = at::MemoryFormat::ChannelsLast;
+  if (output_memory_format(input, weight) != cl) {
+    route.why_not = "NCHW tensors: the residual's graph is built for channels_last (NHWC) tensors only";
+    return route;
+  }
+  route.prepared = prepare_forward(input, weight, bias, params, activation);
+  route.r = aligned_for_cudnn(residual.contiguous(cl), cl);
+  PreparedForward& p = *route.prepared;
+  p.problem.has_residual = true;
+  p.problem.residual_alignment = pointer_alignment(route.r);
+  route.plan = fprop_residual_plan(p.problem, p.x, p.w, p.b, route.r, &route.was_cached, &route.build_seconds);
+  return route;
+}
+
 } // namespace convbias::cuda

@@ -52,4 +52,21 @@ ForwardRoute route_forward(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params,
     const ActivationSpec& activation, bool keep_preactivation = false);
 
+// forward_residual's route. A call whose output is channels_last gets the residual plan (fprop_residual_plan) over
+// the prepared tensors and `r`, the residual packed channels_last (a copy when it was not); `why_not` says why the
+// residual cannot be in a graph otherwise (an ATen-only call, NCHW tensors). Where the plan is not residual_fused
+// the caller runs forward's route, then one pass adding the residual and applying the activation.
+struct ResidualRoute {
+  std::optional<std::string> why_not;
+  std::optional<PreparedForward> prepared;
+  at::Tensor r;
+  std::shared_ptr<const FpropPlan> plan;
+  bool was_cached = false;
+  double build_seconds = 0;
+};
+
+ResidualRoute route_forward_residual(
+    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& residual, const ConvParams& params, const ActivationSpec& activation);
+
 } // namespace convbias::cuda

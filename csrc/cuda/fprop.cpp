@@ -16,7 +16,8 @@ namespace convbias::cuda {
 namespace {
 
 // kZ: the pre-activation, written only by the graphs of keep_preactivation problems with the epilogue.
-constexpr int64_t kX = 1, kW = 2, kB = 3, kY = 4, kZ = 5;
+// kR: the residual, read by the graphs of has_residual problems.
+constexpr int64_t kX = 1, kW = 2, kB = 3, kY = 4, kZ = 5, kR = 6;
 
 // What a forward graph holds after the convolution: the pointwise ADD of the bias, then the problem's activation,
 // and whether the activation's input (the pre-activation) is written too.
@@ -24,16 +25,20 @@ struct GraphForm {
   bool bias = false;
   bool activation = false;
   bool preactivation = false; // only with activation
+  bool residual = false; // the residual ADD after the bias, before the activation (never with preactivation)
 };
 
 GraphForm form_of(const FpropPlan& plan) {
-  return GraphForm{plan.path == FpropPath::Fused, plan.activation_fused, plan.preactivation_output};
+  return GraphForm{plan.path == FpropPath::Fused, plan.activation_fused, plan.preactivation_output, plan.residual_fused};
 }
 
 // "fused conv+bias graph", "conv graph", "fused conv+bias+gelu graph", "conv+relu graph", "fused conv+bias+gelu graph
 // writing the pre-activation too": for messages.
 std::string graph_name(const GraphForm& form, const ActivationSpec& activation) {
   std::string name = form.bias ? "fused conv+bias" : "conv";
+  if (form.residual) {
+    name += "+residual";
+  }
   if (form.activation) {
     name += std::string("+") + activation_name(activation.kind);
   }
@@ -55,7 +60,7 @@ std::shared_ptr<fe::graph::Graph> make_graph(
   auto w = packed_tensor(*graph, "w", kW, p.w_dims, p.channels_last, p.alignments[1]);
   auto conv = graph->conv_fprop(x, w, with_conv_params(fe::graph::Conv_fprop_attributes().set_name("conv"), p.params));
   std::shared_ptr<fe::graph::Tensor_attributes> y = conv;
-  if (form.bias || form.activation) {
+  if (form.bias || form.activation || form.residual) {
     // An intermediate: FP32, never written to memory.
     conv->set_data_type(fe::DataType_t::FLOAT).set_dim(as_vector(p.y_dims)).set_stride(packed_strides(p.y_dims, p.channels_last));
   }
@@ -71,6 +76,16 @@ std::shared_ptr<fe::graph::Graph> make_graph(
         conv, b,
         fe::graph::Pointwise_attributes()
             .set_name("bias_add")
+            .set_mode(fe::PointwiseMode_t::ADD)
+            .set_compute_data_type(fe::DataType_t::FLOAT));
+  }
+  if (form.residual) {
+    // The residual (y's shape, packed like y) added in FP32 before the activation: a residual block's ending.
+    auto r = packed_tensor(*graph, "residual", kR, p.y_dims, p.channels_last, p.residual_alignment);
+    y = graph->pointwise(
+        y, r,
+        fe::graph::Pointwise_attributes()
+            .set_name("residual_add")
             .set_mode(fe::PointwiseMode_t::ADD)
             .set_compute_data_type(fe::DataType_t::FLOAT));
   }
@@ -99,16 +114,19 @@ std::shared_ptr<fe::graph::Graph> make_graph(
   return finalize_graph(*graph, handle, why) ? graph : nullptr;
 }
 
-// `z` (the pre-activation output) only for graphs that write it.
+// `z` (the pre-activation output) only for graphs that write it, `r` (the residual) only for graphs that read it.
 VariantPack variant_pack(
     const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, const at::Tensor& y,
-    bool with_bias, const at::Tensor& z = at::Tensor()) {
+    bool with_bias, const at::Tensor& z = at::Tensor(), const at::Tensor& r = at::Tensor()) {
   VariantPack pack{{kX, x.data_ptr()}, {kW, w.data_ptr()}, {kY, y.data_ptr()}};
   if (with_bias) {
     pack.emplace(kB, b->data_ptr());
   }
   if (z.defined()) {
     pack.emplace(kZ, z.data_ptr());
+  }
+  if (r.defined()) {
+    pack.emplace(kR, r.data_ptr());
   }
   return pack;
 }
@@ -127,12 +145,12 @@ void execute(
 
 GraphAttempt attempt(
     const FpropProblem& p, const GraphForm& form, const SelectionPolicy& policy, const at::Tensor& x,
-    const at::Tensor& w, const std::optional<at::Tensor>& b, const at::Tensor& y) {
+    const at::Tensor& w, const std::optional<at::Tensor>& b, const at::Tensor& y, const at::Tensor& r = at::Tensor()) {
   // Candidates are timed writing every output the graph has.
   const at::Tensor z = form.preactivation ? new_output(p, x) : at::Tensor();
   return build_graph_plan(
       [&](cudnnHandle_t handle, std::string* why) { return make_graph(p, form, handle, why); }, policy,
-      variant_pack(x, w, b, y, form.bias, z), x.device(),
+      variant_pack(x, w, b, y, form.bias, z, form.residual ? r : at::Tensor()), x.device(),
       [&] { return graph_name(form, p.activation) + " for " + p.describe(); });
 }
 
@@ -140,6 +158,9 @@ GraphAttempt attempt(
 std::vector<std::string> expected_operations(const FpropProblem& p, const GraphForm& form) {
   std::vector<std::string> operations{"CONV_FPROP"};
   if (form.bias) {
+    operations.emplace_back("ADD");
+  }
+  if (form.residual) {
     operations.emplace_back("ADD");
   }
   if (form.activation) {
@@ -543,6 +564,83 @@ std::shared_ptr<const FpropPlan> build_plan(
   return build_nchw_plan(p, x, w, b);
 }
 
+// The problem of forward's own route for a residual problem: conv + bias alone (the add and the activation follow).
+FpropProblem without_residual(const FpropProblem& p) {
+  FpropProblem q = p;
+  q.has_residual = false;
+  q.residual_alignment = 16;
+  q.activation = ActivationSpec{};
+  return q;
+}
+
+// A residual problem's plan (channels_last only): the graph conv -> [bias ADD] -> residual ADD -> [activation] where
+// it builds and runs (untimed: on a precompiled engine, as the activation's epilogue; timed: also measured against
+// forward's own route followed by one pass adding the residual and applying the activation, the faster kept), else
+// the ATen path, which forward_residual reads as "forward's route, then that pass".
+std::shared_ptr<FpropPlan> build_residual_plan(
+    const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+    const at::Tensor& r) {
+  TORCH_INTERNAL_ASSERT(p.has_residual && p.channels_last && !p.keep_preactivation);
+  auto plan = std::make_shared<FpropPlan>();
+  const auto& k = knobs();
+  SelectionPolicy policy = default_policy(p.dtype, p.flags);
+  plan->tuned = policy.time_candidates();
+  if (k.path == "unfused" || k.activation == "unfused") {
+    plan->notes.push_back(
+        std::string(k.path == "unfused" ? "TORCH_CONVBIAS_PATH=unfused" : "TORCH_CONVBIAS_ACTIVATION=unfused") +
+        ": the residual is added after forward's route");
+    return plan;
+  }
+  const bool forced = k.path == "fused" || k.activation == "fused";
+  if (!policy.time_candidates() && !forced) {
+    // As for the activation's epilogue: runtime-compiled fusion engines cost seconds to build per shape.
+    policy.allow_runtime_compiled = false;
+  }
+  const GraphForm form{p.has_bias, !p.activation.is_identity(), false, /*residual=*/true};
+  const at::Tensor y = new_output(p, x);
+  GraphAttempt a = attempt(p, form, policy, x, w, b, y, r);
+  if (!a.failure.empty()) {
+    plan->notes.push_back(
+        graph_name(form, p.activation) + " rejected: " + a.failure + "; forward's route, then the residual added");
+    plan->transient = a.engine.transient;
+    TORCH_CHECK(
+        !forced, "convbias: ", k.path == "fused" ? "TORCH_CONVBIAS_PATH" : "TORCH_CONVBIAS_ACTIVATION",
+        "=fused but cuDNN rejected the ", graph_name(form, p.activation), " for ", p.describe(), ": ", a.failure,
+        ". Hint: ", layout_hint(p));
+    return plan;
+  }
+  auto fused = std::make_shared<FpropPlan>(*plan);
+  fused->path = p.has_bias ? FpropPath::Fused : FpropPath::Conv;
+  fused->graph = a.graph;
+  fused->engine = a.engine;
+  fused->residual_fused = true;
+  fused->activation_fused = !p.activation.is_identity();
+  fused->graph_ops = graph_operations(*a.graph);
+  if (!policy.time_candidates() || forced) {
+    fused->notes.push_back("the " + graph_name(form, p.activation) + " built and ran");
+    return fused;
+  }
+  // Both routes on these tensors, as calls run them.
+  const FpropProblem q = without_residual(p);
+  const auto own = fprop_plan(q, x, w, b);
+  fused->epilogue_ms = time_on_stream([&] { (void)run_fprop_residual(*fused, p, x, w, b, r); });
+  fused->separate_activation_ms = time_on_stream([&] {
+    at::Tensor out = own->path == FpropPath::Aten ? run_aten(q, x, w, b) : run_plan(*own, q, x, w, b).first;
+    add_activation_(out, r, p.activation);
+  });
+  std::ostringstream timings;
+  timings << fused->epilogue_ms << " ms against " << fused->separate_activation_ms
+          << " ms for forward's route + one pass adding the residual and applying the activation";
+  if (fused->epilogue_ms <= fused->separate_activation_ms) {
+    fused->notes.push_back("the " + graph_name(form, p.activation) + " measured faster: " + timings.str());
+    return fused;
+  }
+  plan->epilogue_ms = fused->epilogue_ms;
+  plan->separate_activation_ms = fused->separate_activation_ms;
+  plan->notes.push_back("the " + graph_name(form, p.activation) + " measured slower: " + timings.str());
+  return plan;
+}
+
 // The tensors a stored graph of `form` for `p` must have (plan_store::take_graph checks them): the pre-activation
 // output among them when the form writes it.
 plan_store::ExpectedTensors expected_tensors(const FpropProblem& p, const GraphForm& form) {
@@ -552,6 +650,9 @@ plan_store::ExpectedTensors expected_tensors(const FpropProblem& p, const GraphF
       {kY, {as_vector(p.y_dims), packed_strides(p.y_dims, p.channels_last)}}};
   if (form.preactivation) {
     expected[kZ] = {as_vector(p.y_dims), packed_strides(p.y_dims, p.channels_last)};
+  }
+  if (form.residual) {
+    expected[kR] = {as_vector(p.y_dims), packed_strides(p.y_dims, p.channels_last)};
   }
   if (form.bias) {
     const int64_t k = p.w_dims[0];
@@ -576,7 +677,8 @@ std::optional<plan_store::Json> plan_record(const FpropPlan& plan) {
       {"activation_why", plan.activation_why},
       {"epilogue_ms", plan.epilogue_ms},
       {"separate_activation_ms", plan.separate_activation_ms},
-      {"preactivation_output", plan.preactivation_output}};
+      {"preactivation_output", plan.preactivation_output},
+      {"residual_fused", plan.residual_fused}};
   // A plan run via channels_last copies stores its choice only: the channels_last plan is stored under its own key.
   const bool own_graph = !plan.via_channels_last && plan.path != FpropPath::Aten;
   return plan_store::put_graph(r, own_graph ? plan.graph : nullptr, plan.engine) ? std::optional(r) : std::nullopt;
@@ -604,6 +706,11 @@ std::shared_ptr<const FpropPlan> plan_from_record(
   if (preactivation_output != (activation_fused && p.keep_preactivation)) {
     return nullptr;
   }
+  // A residual problem's plan is its graph (which adds the residual) or ATen (forward's route, then the add).
+  const bool residual_fused = r.at("residual_fused").get<bool>();
+  if (residual_fused != (p.has_residual && *found != FpropPath::Aten)) {
+    return nullptr;
+  }
   std::shared_ptr<FpropPlan> plan;
   if (r.at("via_channels_last").get<bool>()) {
     if (p.channels_last) {
@@ -618,6 +725,7 @@ std::shared_ptr<const FpropPlan> plan_from_record(
     plan->path = *found;
     plan->activation_fused = activation_fused;
     plan->preactivation_output = preactivation_output;
+    plan->residual_fused = residual_fused;
     // The stored graph must hold the problem's tensors (the pre-activation output when it writes one) and exactly the
     // operations the record says it runs (the activation node, with its slope, in particular).
     const GraphForm form = form_of(*plan);
@@ -687,6 +795,8 @@ PlanKey FpropProblem::key() const {
   }
   f.push_back(slope_bits);
   f.push_back(keep_preactivation);
+  f.push_back(has_residual);
+  f.push_back(has_residual ? residual_alignment : 0);
   return key;
 }
 
@@ -705,6 +815,9 @@ std::string FpropProblem::describe() const {
     if (keep_preactivation) {
       s << ", pre-activation kept (second output)";
     }
+  }
+  if (has_residual) {
+    s << ", residual added before the activation (alignment " << residual_alignment << " bytes)";
   }
   return s.str();
 }
@@ -756,6 +869,29 @@ at::Tensor run_fprop(
     const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
     const std::optional<at::Tensor>& b) {
   return run_plan(plan, problem, x, w, b).first;
+}
+
+std::shared_ptr<const FpropPlan> fprop_residual_plan(
+    const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+    const at::Tensor& r, bool* was_cached, double* build_seconds) {
+  const PlanKey key = problem.key();
+  return lookup_plan<FpropPlan>(
+      fprop_cache(), "forward", key, requested_tuning(problem.flags) != Tuning::Untimed,
+      [&](const plan_store::Json& record) { return plan_from_record(record, problem, x, w, b); },
+      [&] { return build_residual_plan(problem, x, w, b, r); }, &plan_record, build_seconds, was_cached);
+}
+
+at::Tensor run_fprop_residual(
+    const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
+    const std::optional<at::Tensor>& b, const at::Tensor& r) {
+  TORCH_INTERNAL_ASSERT(plan.residual_fused && plan.graph);
+  const GraphForm form = form_of(plan);
+  at::Tensor y = new_output(problem, x);
+  auto pack = variant_pack(x, w, b, y, form.bias, at::Tensor(), r);
+  execute_plan(*plan.graph, plan.engine, pack, x.options(), [&] {
+    return graph_name(form, problem.activation) + " for " + problem.describe();
+  });
+  return y;
 }
 
 std::pair<at::Tensor, at::Tensor> run_fprop_with_preactivation(

@@ -40,6 +40,12 @@ struct FpropProblem {
   // an activation whose derivative needs it). The epilogue graph then writes both z and act(z), one graph; without
   // the epilogue the graph writes z and ATen's activation runs out of place. Only with an activation.
   bool keep_preactivation = false;
+  // convbias::forward_residual: a residual of y's shape (packed like y) is added before the activation. Its plan is
+  // the graph conv -> [bias ADD] -> residual ADD -> [activation] where that runs (FpropPlan::residual_fused), else
+  // the ATen path, meaning: forward's own plan for conv + bias, then the add and the activation (cuda_kernels.cpp).
+  // Never with keep_preactivation.
+  bool has_residual = false;
+  int64_t residual_alignment = 16;
 
   PlanKey key() const;
   std::string describe() const; // shapes, layout, dtype, parameters and activation, for messages
@@ -69,6 +75,8 @@ struct FpropPlan {
   // The graph writes the pre-activation as a second output (activation_fused for a keep_preactivation problem): the
   // bias ADD's (or, without bias, the convolution's) result marked as an output rather than left virtual.
   bool preactivation_output = false;
+  // The graph adds the residual (a has_residual problem's graph plan; the activation, if any, is then its epilogue).
+  bool residual_fused = false;
 
   // NCHW problems: the three ways to run them (a graph over NCHW strides, the channels_last plan on copies,
   // ATen) are measured once and the fastest kept. When the copies won, `via_channels_last` is the plan they run
@@ -97,6 +105,18 @@ std::shared_ptr<const FpropPlan> fprop_plan(
 std::pair<at::Tensor, at::Tensor> run_fprop_with_preactivation(
     const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
     const std::optional<at::Tensor>& b);
+
+// The cached plan of a has_residual (channels_last) problem, built on a miss (build_residual_plan: timed on these
+// tensors where timing is asked for). `r` is the residual packed like the output.
+std::shared_ptr<const FpropPlan> fprop_residual_plan(
+    const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+    const at::Tensor& r, bool* was_cached = nullptr, double* build_seconds = nullptr);
+
+// act(conv(x, w) + b + r) by the graph of a residual_fused plan on the current stream, into a new tensor in the
+// problem's layout; `r` packed like the output.
+at::Tensor run_fprop_residual(
+    const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
+    const std::optional<at::Tensor>& b, const at::Tensor& r);
 
 // act(conv(x, w) + b) by `plan` on the current stream, in the problem's layout, into a new tensor (the activation in
 // the graph or applied after it). Not for the ATen path, which the caller runs on the original arguments.

@@ -36,7 +36,8 @@ namespace fs = std::filesystem;
 // 2: the knobs and "timed" in every file, the graph's description stored with its plan.
 // 3: the activation in forward keys and records (its epilogue checked in the stored graph), the ACTIVATION knob.
 // 4: keep_preactivation in forward keys, "preactivation_output" in forward records (the second output checked).
-constexpr int64_t kFormatVersion = 4;
+// 5: the residual (forward_residual) in forward keys, "residual_fused" in forward records.
+constexpr int64_t kFormatVersion = 5;
 constexpr char kMagic[8] = {'C', 'V', 'B', 'P', 'L', 'A', 'N', '1'};
 
 std::atomic<int64_t> hit_count{0}, miss_count{0}, write_count{0}, reject_count{0};
