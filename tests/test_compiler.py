@@ -10,6 +10,7 @@ Inductor, quick on a CPU) except where Inductor itself is under test.
 from __future__ import annotations
 
 import copy
+import operator
 import os
 import subprocess
 import sys
@@ -269,8 +270,9 @@ def test_batchnorm_is_folded_for_inference() -> None:
         check_against_float64(model, compiled, x, grads=False)
     report = compiler.reports[-1]
     # Every conv folded its BN; the stem and each block's first conv also took the ReLU; the blocks' second convs
-    # feed the residual add, so their ReLU stays outside.
-    assert report.count(batchnorm=True) == 5 and report.count(activation="relu") == 3
+    # took the residual add and the ReLU after it.
+    assert report.count(batchnorm=True) == 5 and report.count(activation="relu") == 5
+    assert report.count(residual=True, activation="relu") == 2 and report.count(residual=False, activation="relu") == 3
     assert not any(n.target in (torch.nn.functional.batch_norm,) for gm in recorder.graphs for n in gm.graph.nodes)
     # Folding reads the live statistics on every call: nothing is frozen.
     with torch.no_grad():
@@ -470,3 +472,277 @@ def test_autocast_region_is_rewritten_and_matches_eager_autocast() -> None:
     assert actual.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(actual, expected, rtol=3e-2, atol=3e-2)
     assert [n.args[7] for n in recorder.ops()] == ["relu", "identity"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Residual block endings: act(conv + r) into convbias.forward_residual.
+
+
+class TorchvisionBasicBlock(nn.Module):
+    """torchvision's ResNet BasicBlock as written there: one ReLU(inplace=True) module used twice, ``out +=
+    identity``, and a downsample shortcut (1x1 conv + BN) when the stride or the channel count changes."""
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample: nn.Module | None = None
+        if stride != 1 or inplanes != planes:
+            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False), nn.BatchNorm2d(planes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x
+        out = self.conv1(x)
+        out = self.bn1(out)
+        out = self.relu(out)
+        out = self.conv2(out)
+        out = self.bn2(out)
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        out = self.relu(out)
+        return out
+
+
+def randomise_batchnorm(net: nn.Module) -> nn.Module:
+    """Running statistics and affine parameters away from their initial values, so that folding is exercised."""
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                nn.init.uniform_(m.weight, 0.5, 1.5)
+                nn.init.uniform_(m.bias, -0.5, 0.5)
+    return net
+
+
+class PlainResidualBlock(nn.Module):
+    """A residual block without batch norm: conv (+ bias) -> ReLU -> conv (+ bias), ``out += identity``, ReLU."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x
+        out = self.relu(self.conv1(x))
+        out = self.conv2(out)
+        out += identity
+        return self.relu(out)
+
+
+def graph_targets(recorder: Recorder) -> list[Any]:
+    return [n.target for gm in recorder.graphs for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+@pytest.mark.parametrize("downsample", [False, True])
+def test_torchvision_basic_blocks_end_in_forward_residual_for_inference(downsample: bool) -> None:
+    """A stem and two torchvision BasicBlocks (the first with a downsample shortcut when ``downsample``), eval mode,
+    no_grad, compiled by the default Inductor route: each block's ending (conv2 -> bn2 -> ``+= identity`` -> ReLU)
+    is one forward_residual with the batch norm folded and the ReLU fused, each first conv is fused with its BN and
+    ReLU as before, the downsample conv with its BN alone; the output equals eager's (float32 and float64)."""
+    torch.manual_seed(0)
+    width, stride = (16, 2) if downsample else (8, 1)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        TorchvisionBasicBlock(8, width, stride),
+        TorchvisionBasicBlock(width, width),
+    )
+    model = randomise_batchnorm(model).eval()
+    assert (model[3].downsample is not None) == downsample
+    x = torch.randn(2, 3, 12, 12)
+    torch._dynamo.reset()
+    compiler.reports.clear()
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="convbias", options={"convbias.devices": ("cpu",)})
+        expected = model(x)
+        actual = compiled(x)
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+        check_against_float64(model, compiled, x, grads=False)
+    report = compiler.reports[-1]
+    assert report.count(residual=True) == 2, report
+    assert report.count(residual=True, activation="relu", batchnorm=True) == 2
+    assert report.count(residual=False, activation="relu", batchnorm=True) == 3  # the stem and both conv1
+    assert report.count(residual=False, activation="identity") == int(downsample)  # the downsample conv + BN
+    assert report.count() == 5 + int(downsample) and report.skipped == []
+
+
+def test_residual_block_is_fused_while_training() -> None:
+    """Gradients on, no batch norm: each block's conv2 -> ``+= identity`` -> ReLU(inplace) becomes one
+    forward_residual whose residual is the block's input, the in-place add and ReLU gone from the graph; the forward,
+    every parameter gradient and the input gradient equal the float64 eager model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), PlainResidualBlock(8), PlainResidualBlock(8))
+    compiled, recorder = compile_recorded(model)
+    check_against_float64(model, compiled, torch.randn(2, 3, 8, 8))
+    report = compiler.reports[-1]
+    assert report.count(residual=True, activation="relu", batchnorm=False) == 2, report
+    assert report.count(residual=False) == 3 and report.skipped == []
+    residual_ops = recorder.ops("forward_residual")
+    assert len(residual_ops) == 2 and [n.args[8] for n in residual_ops] == ["relu", "relu"]
+    # Each block's residual is its input, which its conv1 also reads.
+    assert all(n.args[3] is n.args[0].args[0] for n in residual_ops)
+    targets = graph_targets(recorder)
+    assert operator.iadd not in targets and torch.nn.functional.relu not in targets
+
+
+
+def _iadd(y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    y += r
+    return y
+
+
+ADD_SPELLINGS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "y + r": lambda y, r: y + r,
+    "r + y": lambda y, r: r + y,
+    "torch.add(y, r)": lambda y, r: torch.add(y, r),
+    "torch.add(r, y, alpha=1)": lambda y, r: torch.add(r, y, alpha=1),
+    "y.add(r)": lambda y, r: y.add(r),
+    "r.add(y)": lambda y, r: r.add(y),
+    "y.add_(r)": lambda y, r: y.add_(r),
+    "y += r": _iadd,
+}
+
+
+@pytest.mark.parametrize("spelling", list(ADD_SPELLINGS))
+def test_every_spelling_of_the_residual_add_is_fused(spelling: str) -> None:
+    """conv(x) + r written each way Dynamo records an add (operator.add, operator.iadd, torch.add, the add / add_
+    methods), conv first or second, then a ReLU: one forward_residual with the ReLU, matching float64 eager in the
+    forward and every gradient (the residual is computed after the convolution, as a downsample branch is)."""
+    add = ADD_SPELLINGS[spelling]
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.shortcut = nn.Conv2d(4, 6, 3, padding=1), nn.Conv2d(4, 6, 1, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.conv(x)
+            return torch.relu(add(y, self.shortcut(x) * 0.5))
+
+    torch.manual_seed(0)
+    model = Model()
+    compiled, recorder = compile_recorded(model)
+    check_against_float64(model, compiled, torch.randn(2, 4, 7, 7))
+    report = compiler.reports[-1]
+    assert report.count(residual=True, activation="relu") == 1, report
+    assert [n.args[8] for n in recorder.ops("forward_residual")] == ["relu"]
+    assert not any("residual" in s["reason"] for s in report.skipped), report.skipped
+
+
+class UnfusableResidual(nn.Module):
+    """conv(x) (+ bias) followed by an add the op must not take, per ``case``."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        self.case = case
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        if case == "broadcast":
+            self.shift = nn.Parameter(torch.randn(1, 4, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.case == "broadcast":
+            return torch.relu(self.conv(x) + self.shift)
+        if self.case == "dtype":
+            return torch.relu(self.conv(x) + x.double())
+        if self.case == "used twice":
+            y = self.conv(x)
+            return torch.relu(y + x) * y
+        if self.case == "alpha":
+            return torch.relu(torch.add(self.conv(x), x, alpha=2))
+        if self.case == "into the residual":
+            r = x * 2
+            r += self.conv(x)
+            return torch.relu(r)
+        if self.case == "mutated in between":  # (without gradients: autograd forbids changing the conv's saved input)
+            h = x * 1
+            y = self.conv(h)
+            h.relu_()  # the convolution read h before this; the add reads it after
+            return y + h
+        if self.case == "layout":
+            # A channels_last convolution output added to a contiguous tensor, the contiguous one first: the sum is
+            # contiguous (the op's output would be channels_last, which .view below could not take).
+            y = self.conv(x.contiguous(memory_format=torch.channels_last))
+            return (x + y).view(x.shape[0], -1)
+        raise AssertionError(self.case)
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("broadcast", "broadcasting"),
+        ("dtype", "type promotion"),
+        ("used twice", "other users"),
+        ("alpha", "alpha=2"),
+        ("into the residual", "in place into the other operand"),
+        ("mutated in between", "in-place operation"),
+        ("layout", "memory layout"),
+    ],
+)
+def test_residual_adds_that_are_not_equivalent_are_left_alone(case: str, reason: str) -> None:
+    """A broadcast residual ([1, C, 1, 1]), another dtype (type promotion), the conv output read twice, torch.add with
+    alpha=2, ``r += conv`` (writes into r), the conv's input changed in place before the add, a sum whose layout is
+    not the convolution's: no forward_residual, the conv + bias still rewritten alone, the skip says why (once), and
+    the model still equals float64 eager (forward and gradients where autograd allows them)."""
+    torch.manual_seed(0)
+    model = UnfusableResidual(case)
+    compiled, recorder = compile_recorded(model)
+    grads = case != "mutated in between"
+    with torch.set_grad_enabled(grads):
+        check_against_float64(model, compiled, torch.randn(2, 4, 6, 6), grads=grads)
+    report = compiler.reports[-1]
+    assert recorder.ops("forward_residual") == [] and report.count(residual=True) == 0
+    assert report.count(residual=False) == 1  # the conv + bias, as without a residual add
+    reasons = [s["reason"] for s in report.skipped if s["reason"].startswith("residual add not fused: ")]
+    assert len(reasons) == 1 and reason in reasons[0], report.skipped
+
+
+def test_fuse_residual_option_turns_it_off() -> None:
+    """convbias.fuse_residual=False: the residual add and the ReLU after it stay in the graph, each conv is rewritten
+    as before (conv1 with its ReLU, conv2 alone), no skip is recorded for the add; the option must be a bool."""
+    torch.manual_seed(0)
+    model = PlainResidualBlock(4)
+    compiled, recorder = compile_recorded(model, **{"convbias.fuse_residual": False})
+    check_against_float64(model, compiled, torch.randn(2, 4, 6, 6))
+    report = compiler.reports[-1]
+    assert report.count(residual=True) == 0 and report.count() == 2 and report.count(activation="relu") == 1
+    assert recorder.ops("forward_residual") == [] and operator.iadd in graph_targets(recorder)
+    assert report.skipped == []
+    # The same model with the default: fused.
+    compiled, recorder = compile_recorded(model)
+    check_against_float64(model, compiled, torch.randn(2, 4, 6, 6))
+    assert compiler.reports[-1].count(residual=True) == 1 and len(recorder.ops("forward_residual")) == 1
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="convbias.fuse_residual"):
+        torch.compile(model, backend="convbias", options={**CPU_OPTIONS, "convbias.fuse_residual": "no"})(torch.randn(1, 4, 6, 6))
+
+
+def test_residual_fusion_with_dynamic_batch() -> None:
+    """dynamic=True (symbolic batch size): conv(x) + x without an activation is still provably of the output's shape,
+    so one graph serves every batch size with one forward_residual (activation identity), equal to float64 eager."""
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x) + x
+
+    model = Model()
+    torch._dynamo.reset()
+    compiler.reports.clear()
+    compiled = torch.compile(model, backend="convbias", dynamic=True, fullgraph=True, options=CPU_OPTIONS)
+    for batch in (2, 3, 5):
+        check_against_float64(model, compiled, torch.randn(batch, 4, 6, 6))
+    assert len(compiler.reports) == 1
+    report = compiler.reports[-1]
+    assert report.count(residual=True, activation="identity") == 1 and report.rewrites[0]["bias"] is False, report

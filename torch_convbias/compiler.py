@@ -1,4 +1,5 @@
-"""The ``convbias`` torch.compile backend: nn.Conv2d (+ bias) (+ activation) rewritten into ``convbias.forward``.
+"""The ``convbias`` torch.compile backend: nn.Conv2d (+ bias) (+ residual add) (+ activation) rewritten into
+``convbias.forward`` / ``convbias.forward_residual``.
 
 ``torch.compile(model, backend="convbias")`` (or :func:`compile`) captures the model with Dynamo as usual; before
 AOTAutograd sees the graph, :func:`rewrite_graph` replaces
@@ -10,20 +11,30 @@ AOTAutograd sees the graph, :func:`rewrite_graph` replaces
 * in inference (grad disabled, batch norm in eval mode), ``batch_norm(conv2d(x, w, b))`` by a convolution whose
   weight and bias have the normalisation folded in (computed in the graph from the live parameters and running
   statistics on every call, so nothing is frozen), which can then take the following activation too,
+* a residual block's ending, ``act(conv2d(x, w, b) + r)`` (the convolution possibly with its batch norm folded as
+  above, the activation optional), by ``convbias.forward_residual(x, w, b, r, activation=act)``, in training too (the
+  op has autograd): the add written ``conv + r``, ``r + conv``, ``torch.add`` (``alpha`` 1), ``conv.add(r)``, or in
+  place on the convolution's output, ``out += r`` / ``out.add_(r)`` as torchvision's ResNet blocks do,
 
 then hands the graph to Inductor with the caller's ``mode`` and ``options`` (or to another backend,
 ``options={"convbias.inner": "aot_eager"}``). Only what the op covers is rewritten: CUDA tensors (by default) of
 float16, bfloat16 or float32, 4-D inputs, integer padding or ``'valid'`` / a symmetric ``'same'``. A pattern that
 could change what the program computes is left as it is: an activation is fused only when the convolution's
 output has no other user (a hook that reads it, a residual branch), a batch norm only when its convolution's output
-feeds nothing else. ``TORCH_CONVBIAS_COMPILE_LOG=1`` logs every rewrite and every candidate left alone with the
-reason; :data:`reports` keeps the last graphs' :class:`RewriteReport`.
+feeds nothing else, a residual add only when the convolution's output feeds nothing else, the other operand is a
+tensor of exactly the output's shape, dtype and device (no broadcasting, no type promotion), the add's result keeps
+the convolution's layout, an in-place add writes into the convolution's output (not into the other operand), and no
+in-place operation, grad mode or autocast switch runs between the convolution and the add (the fused op reads its
+operands where the add stood). ``TORCH_CONVBIAS_COMPILE_LOG=1`` logs every rewrite and every candidate left alone
+with the reason; :data:`reports` keeps the last graphs' :class:`RewriteReport`.
 
 Backend options (keys of ``options`` starting with ``convbias.``, removed before Inductor sees the rest):
 
 * ``convbias.devices``: device types whose convolutions are rewritten, default ``("cuda",)``; ``("cpu", "cuda")``
   also rewrites CPU convolutions into the op's CPU reference path (tests);
 * ``convbias.fuse_activations`` (default True), ``convbias.fold_batchnorm`` (default True);
+* ``convbias.fuse_residual`` (default True): False leaves residual adds as they are (the convolution before them
+  is still rewritten alone);
 * ``convbias.inner``: the backend that compiles the rewritten graph, default ``"inductor"``.
 """
 
@@ -58,18 +69,21 @@ _OPTION_PREFIX = "convbias."
 @dataclasses.dataclass
 class RewriteReport:
     """What :func:`rewrite_graph` did to one graph: ``rewrites`` holds one line per convolution replaced (its node,
-    the activation fused, whether a batch norm was folded), ``skipped`` one line per candidate left alone and why."""
+    the activation fused, whether a batch norm was folded, whether a residual add was fused), ``skipped`` one line per
+    candidate left alone and why."""
 
     rewrites: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
-    def count(self, *, activation: str | None = None, batchnorm: bool | None = None) -> int:
-        """How many convolutions were rewritten, optionally only those with ``activation`` / a folded batch norm."""
+    def count(self, *, activation: str | None = None, batchnorm: bool | None = None, residual: bool | None = None) -> int:
+        """How many convolutions were rewritten, optionally only those with ``activation`` / with (or without) a folded
+        batch norm / with (or without) a fused residual add."""
         return sum(
             1
             for r in self.rewrites
             if (activation is None or r["activation"] == activation)
             and (batchnorm is None or r["batchnorm_folded"] == batchnorm)
+            and (residual is None or r["residual"] == residual)
         )
 
 
@@ -82,6 +96,7 @@ class _Config:
     devices: tuple[str, ...] = ("cuda",)
     fuse_activations: bool = True
     fold_batchnorm: bool = True
+    fuse_residual: bool = True
     inner: str | Callable[..., Any] = "inductor"
 
 
@@ -98,7 +113,7 @@ def _config_from(options: dict[str, Any]) -> _Config:
         if isinstance(devices, str) or not all(d in ("cpu", "cuda") for d in devices):
             raise ValueError(f"convbias backend: expected `convbias.devices` to be a sequence of 'cpu' / 'cuda', got {devices!r}")
         values["devices"] = tuple(devices)
-    for flag in ("fuse_activations", "fold_batchnorm"):
+    for flag in ("fuse_activations", "fold_batchnorm", "fuse_residual"):
         if flag in values and not isinstance(values[flag], bool):
             raise ValueError(f"convbias backend: expected `convbias.{flag}` to be a bool, got {values[flag]!r}")
     return _Config(**values)
@@ -134,7 +149,18 @@ def _bound(signature_of: Callable[..., None], node: fx.Node) -> dict[str, Any] |
     return dict(bound.arguments)
 
 
+def _add_signature(input, other, *, alpha=1):  # type: ignore[no-untyped-def]
+    pass
+
+
 _CONV_TARGETS = (torch.conv2d, F.conv2d)
+_ADD_FUNCTIONS = (torch.add, torch.Tensor.add)
+_ADD_METHODS = {"add": False, "add_": True}  # method name -> writes into self
+# Python's augmented assignments (what `a += b` and the like trace to), and item assignment.
+_INPLACE_OPERATORS = (
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
+    operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.setitem,
+)
 _BATCH_NORM_TARGETS = (F.batch_norm, torch.batch_norm)
 
 
@@ -173,6 +199,72 @@ def _activation_of(node: fx.Node) -> tuple[str, float] | str | None:
             )
         return ("leaky_relu", float(slope)) if isinstance(slope, (int, float)) and not isinstance(slope, bool) else None
     return None
+
+
+def _add_operands(node: fx.Node) -> tuple[Any, Any, bool] | str | None:
+    """(a, b, whether the add writes into a) for a node computing ``a + b`` as Dynamo records it (``operator.add``,
+    ``operator.iadd`` for ``a += b``, ``torch.add``, the ``add`` / ``add_`` tensor methods); a string saying why not
+    for an add that is not plainly ``a + b`` (an ``alpha``, an ``out=``); else None."""
+    if node.op == "call_function" and node.target in (operator.add, operator.iadd):
+        if len(node.args) != 2 or node.kwargs:
+            return None
+        return node.args[0], node.args[1], node.target is operator.iadd
+    if node.op == "call_function" and node.target in _ADD_FUNCTIONS:
+        inplace, what = False, "torch.add"
+    elif node.op == "call_method" and node.target in _ADD_METHODS:
+        inplace, what = _ADD_METHODS[node.target], f"Tensor.{node.target}"  # type: ignore[index]
+    else:
+        return None
+    args = _bound(_add_signature, node)
+    if args is None:
+        return f"{what} called with arguments other than (input, other, alpha=...)"
+    alpha = args["alpha"]
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha != 1:
+        return f"{what} with alpha={alpha} (only alpha=1 is fused)"
+    return args["input"], args["other"], inplace
+
+
+def _may_mutate(node: fx.Node) -> bool:
+    """Whether the node may write into a tensor (an in-place op, a module call we cannot see into), as far as its
+    target tells."""
+    if node.op == "call_module":
+        return True
+    if node.op == "call_method":
+        name = str(node.target)
+        return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
+        return True
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return any(getattr(target, name)._schema.is_mutable for name in target.overloads())
+    name = getattr(target, "__name__", "")
+    if name.endswith("_") and not name.endswith("__"):
+        return True
+    try:  # a function taking `inplace` positionally (F.relu(x, True))
+        parameters = list(inspect.signature(target).parameters)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    if "inplace" in parameters:
+        index = parameters.index("inplace")
+        return len(node.args) > index and node.args[index] is True
+    return False
+
+
+# What Dynamo records for entering and leaving a torch.autocast region.
+_AUTOCAST_SWITCHES = tuple(
+    f for f in (getattr(torch.amp.autocast_mode, name, None) for name in ("_enter_autocast", "_exit_autocast")) if f is not None
+)
+
+
+def _statically_equal(a: Any, b: Any) -> bool:
+    """a == b for ints and SymInts, True only where provable without adding a guard."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))
 
 
 def _example(node: Any) -> torch.Tensor | None:
@@ -255,6 +347,9 @@ class _Rewriter:
         self.gm, self.graph, self.config = gm, gm.graph, config
         self.report = RewriteReport()
         self.inference = _grad_mode_is_off_throughout(self.graph)
+        # Residual adds left unfused, reported at the end only if no other convolution took them (an add of two
+        # convolutions' outputs, or a block's input that is a convolution's output, is seen from both sides).
+        self.unfused_adds: list[tuple[fx.Node, str]] = []
 
     def skip(self, node: fx.Node, reason: str) -> None:
         self.report.skipped.append({"node": node.name, "reason": reason})
@@ -297,6 +392,54 @@ class _Rewriter:
         users = list(node.users)
         return users[0] if len(users) == 1 else None
 
+    def residual_of(self, conv: fx.Node, side: fx.Node, add: fx.Node) -> fx.Node | str | None:
+        """The other operand of ``add``, ``side + r`` where ``side`` is the convolution's output (or its folded batch
+        norm's) and its only reader, if the op can take ``act(conv + r)`` in the add's place; a string saying why not
+        for an add that cannot be fused; None when ``add`` is not an add."""
+        operands = _add_operands(add)
+        if operands is None or isinstance(operands, str):
+            return operands
+        a, b, inplace = operands
+        if a is side and b is side:
+            return "both operands are the convolution's output"
+        if a is side:
+            other = b
+        elif b is side:
+            if inplace:
+                return "the add writes in place into the other operand, not into the convolution's output"
+            other = a
+        else:
+            return "the convolution's output is not an operand of the add"
+        r, y, out, result = _example(other), _example(side), _example(conv), _example(add)
+        if r is None:
+            return "the other operand is not a tensor with a recorded example value"
+        if y is None or out is None or result is None:
+            return "no recorded example value for the convolution's output or the add's result"
+        if r.dim() != y.dim() or not all(_statically_equal(p, q) for p, q in zip(r.shape, y.shape)):
+            return f"the other operand's shape {list(r.shape)} is not the convolution output's {list(y.shape)} (broadcasting)"
+        if r.dtype != y.dtype:
+            return f"the other operand's dtype {r.dtype} is not the convolution output's {y.dtype} (type promotion)"
+        if r.device != y.device:
+            return f"the other operand is on {r.device}, the convolution's output on {y.device}"
+        if result.dtype != out.dtype or result.dim() != out.dim():
+            return f"the add's result ({result.dtype}) is not of the convolution output's dtype {out.dtype}"
+        if not all(
+            _statically_equal(size, 1) or _statically_equal(p, q) for size, p, q in zip(out.shape, result.stride(), out.stride())
+        ):
+            return "the add's result has another memory layout than the convolution's output (the op keeps the latter)"
+        # The op reads its operands where the add stood: nothing may have changed them since the convolution.
+        node = conv.next
+        while node is not add:
+            if node is not side:
+                if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+                    return "grad mode changes between the convolution and the add"
+                if node.op == "call_function" and node.target in _AUTOCAST_SWITCHES:
+                    return "an autocast region begins or ends between the convolution and the add"
+                if _may_mutate(node):
+                    return f"an in-place operation ({node.name}) runs between the convolution and the add"
+            node = node.next
+        return other
+
     def fold_batchnorm(self, conv: fx.Node, bn: fx.Node, args: dict[str, Any]) -> tuple[Any, Any] | str:
         """Folded (weight, bias) nodes for conv -> bn, inserted before the convolution, or why not."""
         bn_args = _bound(_batch_norm_signature, bn)
@@ -338,6 +481,7 @@ class _Rewriter:
             return self.skip(conv, reason)
 
         weight, bias, last, batchnorm_folded = args["weight"], args["bias"], conv, False
+        chain = [conv]  # the nodes the op replaces, in order; the last one's users get the op's result
         follower = self.single_user(conv)
         if self.config.fold_batchnorm and follower is not None and follower.target in _BATCH_NORM_TARGETS:
             folded = self.fold_batchnorm(conv, follower, args)
@@ -345,6 +489,22 @@ class _Rewriter:
                 self.skip(follower, f"batch norm not folded: {folded}")
             else:
                 (weight, bias), last, batchnorm_folded = folded, follower, True
+                chain.append(follower)
+
+        residual: fx.Node | None = None
+        follower = self.single_user(last)
+        if self.config.fuse_residual and follower is not None:
+            found_residual = self.residual_of(conv, last, follower)
+            if isinstance(found_residual, str):
+                self.unfused_adds.append((follower, found_residual))
+            elif found_residual is not None:
+                residual, last = found_residual, follower
+                chain.append(follower)
+        elif self.config.fuse_residual and len(last.users) > 1:
+            for user in last.users:
+                if _add_operands(user) is not None:
+                    self.unfused_adds.append((user, "the convolution's output has other users"))
+        add = last if residual is not None else None
 
         activation, slope = "identity", 0.01
         follower = self.single_user(last)
@@ -354,40 +514,56 @@ class _Rewriter:
                 self.skip(follower, f"activation not fused: {found}")
             elif found is not None and follower.args and follower.args[0] is last:
                 (activation, slope), last = found, follower
+                chain.append(follower)
         elif self.config.fuse_activations and len(last.users) > 1:
             if any(isinstance(_activation_of(u), tuple) for u in last.users):
-                self.skip(last, "activation not fused: the convolution's output has other users")
+                what = "residual add" if residual is not None else "convolution"
+                self.skip(last, f"activation not fused: the {what}'s output has other users")
 
-        if bias is None and activation == "identity" and not from_convbias:
+        if bias is None and activation == "identity" and residual is None and not from_convbias:
             return self.skip(conv, "no bias, batch norm or activation to fuse")
-        if from_convbias and activation == "identity" and not batchnorm_folded:
+        if from_convbias and activation == "identity" and not batchnorm_folded and residual is None:
             return  # a ConvBias2d alone is already the op
 
-        with self.graph.inserting_before(last):
-            fused = self.graph.call_function(
-                torch.ops.convbias.forward.default,
-                (
-                    args["input"],
-                    weight,
-                    bias,
-                    conv_args["stride"],
-                    conv_args["padding"],
-                    conv_args["dilation"],
-                    conv_args["groups"],
-                    activation,
-                    float(slope),
-                ),
-            )
+        conv_operands = (
+            conv_args["stride"],
+            conv_args["padding"],
+            conv_args["dilation"],
+            conv_args["groups"],
+            activation,
+            float(slope),
+        )
+        # The residual op stands where the add stood (the other operand may be computed after the convolution, e.g.
+        # a downsample branch); the activation, when fused, has no other input.
+        with self.graph.inserting_before(add if add is not None else last):
+            if residual is not None:
+                fused = self.graph.call_function(
+                    torch.ops.convbias.forward_residual.default, (args["input"], weight, bias, residual, *conv_operands)
+                )
+            else:
+                fused = self.graph.call_function(torch.ops.convbias.forward.default, (args["input"], weight, bias, *conv_operands))
         fused.meta.update({k: v for k, v in last.meta.items() if k in ("example_value", "val", "stack_trace", "nn_module_stack")})
+        # Every reader of the last node (for `out += r`, of the in-place add's result: the same tensor as the
+        # convolution's output, which nothing else reads) now reads the op's new tensor.
         last.replace_all_uses_with(fused)
-        replaced = [last]
-        while replaced[-1] is not conv:
-            replaced.append(replaced[-1].args[0])  # type: ignore[arg-type]
-        for node in replaced:
+        for node in reversed(chain):
             self.graph.erase_node(node)
-        record = {"node": conv.name, "activation": activation, "batchnorm_folded": batchnorm_folded, "bias": bias is not None}
+        record = {
+            "node": conv.name,
+            "activation": activation,
+            "batchnorm_folded": batchnorm_folded,
+            "bias": bias is not None,
+            "residual": residual is not None,
+        }
         self.report.rewrites.append(record)
-        LOG.info("rewrote %s into convbias.forward (activation %s%s)", conv.name, activation, ", batch norm folded" if batchnorm_folded else "")
+        LOG.info(
+            "rewrote %s into convbias.%s (activation %s%s%s)",
+            conv.name,
+            "forward_residual" if residual is not None else "forward",
+            activation,
+            ", batch norm folded" if batchnorm_folded else "",
+            f", residual add of {residual.name}" if residual is not None else "",
+        )
 
     def run(self) -> RewriteReport:
         candidates = [
@@ -395,6 +571,10 @@ class _Rewriter:
         ]
         for conv in candidates:
             self.rewrite(conv)
+        live = set(self.graph.nodes)
+        for add, reason in dict.fromkeys(self.unfused_adds):
+            if add in live:
+                self.skip(add, f"residual add not fused: {reason}")
         if self.report.rewrites:
             self.graph.lint()
             self.gm.recompile()
