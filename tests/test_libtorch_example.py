@@ -72,7 +72,7 @@ def test_libtorch_program_links_the_library_and_runs(tmp_path: Path) -> None:
     assert compiled.returncode == 0, compiled.stdout[-3000:] + compiled.stderr[-3000:]
     result = run([str(build / "convbias_example")])
     assert result.returncode == 0, result.stdout + result.stderr
-    for what in ("forward", "forward + gelu", "grad_weight", "grad_bias"):
+    for what in ("forward", "forward + gelu", "forward_residual + relu", "grad_weight", "grad_bias"):
         assert f"ok   cpu {what}" in result.stdout, result.stdout
     if torch.cuda.is_available():
         assert "ok   cuda:0 forward" in result.stdout, result.stdout

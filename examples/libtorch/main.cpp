@@ -40,6 +40,10 @@ bool run(const torch::Device& device) {
   // With an activation: conv + bias + GELU in one call.
   const at::Tensor activated = convbias::forward(x, w, b, stride, padding, dilation, 1, "gelu");
   ok = check(name + " forward + gelu", activated, at::gelu(expected), tolerance) && ok;
+  // A residual block's ending: relu(conv + bias + residual) in one call.
+  const at::Tensor residual = torch::randn(expected.sizes(), options).contiguous(cl);
+  const at::Tensor ended = convbias::forward_residual(x, w, b, residual, stride, padding, dilation, 1, "relu");
+  ok = check(name + " forward_residual + relu", ended, at::relu(expected + residual), tolerance) && ok;
   ok = check(name + " grad_weight", grad_weight.value(), std::get<1>(reference), tolerance) && ok;
   ok = check(name + " grad_bias", grad_bias.value(), std::get<2>(reference), tolerance) && ok;
   return ok;
