@@ -82,6 +82,7 @@ std::shared_ptr<fe::graph::Graph> make_graph(
   if (form.residual) {
     // The residual (y's shape, packed like y) added in FP32 before the activation: a residual block's ending.
     auto r = packed_tensor(*graph, "residual", kR, p.y_dims, p.channels_last, p.residual_alignment);
+    y->set_data_type(fe::DataType_t::FLOAT); // the sum so far: FP32, never written
     y = graph->pointwise(
         y, r,
         fe::graph::Pointwise_attributes()
