@@ -12,7 +12,10 @@ path it took (explain / explain_param_grad), and the coverage is printed and ass
 cases run our graphs, a fifth our bias kernel. The seed makes every run draw the same cases; a failure names its
 case number, and ``FUZZ_CASES`` / ``FUZZ_SEED`` change the count and the draw. Half of the draws also apply an activation (relu,
 leaky_relu with a positive or negative slope, gelu, gelu_tanh, silu, sigmoid, tanh), which the oracle applies in
-float64 after its convolution; on CUDA, how many of those ran in the forward graph's epilogue is counted.
+float64 after its convolution; on CUDA, how many of those ran in the forward graph's epilogue is counted. A third of
+the cases also add a residual of the output's shape (``conv_bias2d(..., residual=r)``, convbias.forward_residual; the
+oracle adds it in float64 before the activation, and its gradient is checked too), one in nine a residual of a wrong
+shape, which ours must reject; which cases do is decided by the case number, so the other fields are drawn as before.
 """
 
 from __future__ import annotations
@@ -184,11 +187,21 @@ def tensors(case: Case, device: str, gen: torch.Generator) -> tuple[torch.Tensor
     return x, w, b
 
 
-def call(fn: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, case: Case, dilation: Any = None) -> torch.Tensor:
-    """``fn`` (F.conv2d, or conv_bias2d with the case's activation) on the case's conv parameters."""
+def call(fn: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, case: Case, dilation: Any = None,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``fn`` (F.conv2d, or conv_bias2d with the case's activation and the residual, if any) on the case's conv
+    parameters."""
     dilation = case.dilation if dilation is None else dilation
     extra = {"activation": case.activation, "negative_slope": case.negative_slope} if fn is conv_bias2d else {}
+    if fn is conv_bias2d and residual is not None:
+        extra["residual"] = residual
     return fn(x, w, b, stride=case.stride, padding=case.padding, dilation=dilation, groups=case.groups, **extra)
+
+
+def residual_kind(number: int) -> str:
+    """Whether case `number` adds a residual: "right" for a third of the cases, "wrong" (a residual of another shape
+    than the output's) for one in nine, else "none". From the number, not the draw, so that the seed's cases stay."""
+    return ("right", "none", "none", "right", "none", "wrong", "right", "none", "none")[number % 9]
 
 
 def oracle_dilation(case: Case, w: torch.Tensor) -> Any:
@@ -215,15 +228,26 @@ def grads(out: torch.Tensor, seed: torch.Tensor, params: list[torch.Tensor]) -> 
 
 
 def float64_oracle(case: Case, ts: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """F.conv2d in float64 on the CPU (NCHW leaves copied from the case's tensors), and the leaves that need grads."""
+    """F.conv2d in float64 on the CPU (NCHW leaves copied from the case's tensors: input, weight, bias and the
+    residual, if any, added before the activation), and the leaves that need grads."""
     leaves = [t.detach().cpu().double().contiguous().requires_grad_(t.requires_grad) if t is not None else None for t in ts]
-    expected = activated(case, call(F.conv2d, *leaves, case, oracle_dilation(case, leaves[1])))
+    conv = call(F.conv2d, *leaves[:3], case, oracle_dilation(case, leaves[1]))
+    residual = leaves[3] if len(leaves) > 3 else None
+    expected = activated(case, conv if residual is None else conv + residual)
     return expected, [t for t in leaves if t is not None and t.requires_grad]
 
 
 def record_path(case: Case, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, grad_output: torch.Tensor,
-                coverage: dict[str, int]) -> None:
-    """What a valid CUDA case ran: a cuDNN graph for the forward, the conv_wgrad graph, our bias kernel."""
+                coverage: dict[str, int], residual: torch.Tensor | None = None) -> None:
+    """What a valid CUDA case ran: a cuDNN graph for the forward, the conv_wgrad graph, our bias kernel (and, with a
+    residual, whether it was added in the graph)."""
+    if residual is not None:
+        info = torch_convbias.explain(x.detach(), w.detach(), b.detach() if b is not None else None, stride=case.stride,
+                                      padding=case.padding, dilation=case.dilation, groups=case.groups,
+                                      activation=case.activation, negative_slope=case.negative_slope,
+                                      residual=residual.detach())  # fmt: skip
+        coverage["residual_cases"] += 1
+        coverage["residual_graph"] += bool(info["residual"]["fused"])
     info = torch_convbias.explain(x.detach(), w.detach(), b.detach() if b is not None else None, stride=case.stride,
                                   padding=case.padding, dilation=case.dilation, groups=case.groups)  # fmt: skip
     coverage["graph_forward"] += info["path"] != "aten"
@@ -249,29 +273,44 @@ def run_case(number: int, case: Case, device: str, dtypes: dict[torch.dtype, str
     gen = torch.Generator().manual_seed(SEED + number)
     x, w, b = tensors(case, device, gen)
     ox, ow, ob = (oracle_leaf(t) for t in (x, w, b)) if device == "cpu" else (x, w, b)
+    kind = residual_kind(number)
     try:
         if case.broken in ATEN_LENIENT_BREAKAGES | ACTIVATION_BREAKAGES:
             raise ValueError(f"{case.broken} is invalid, whatever F.conv2d does with it")
-        call(F.conv2d, ox, ow, ob, case, oracle_dilation(case, w) if device == "cpu" else None)
+        probe = call(F.conv2d, ox, ow, ob, case, oracle_dilation(case, w) if device == "cpu" else None)
     except Exception:  # noqa: BLE001 - whatever F.conv2d rejects, ours must reject with its own error
+        # With a residual too (of no particular shape: the call is invalid before it matters).
+        stray = torch.zeros(1, device=device, dtype=case.dtype) if kind != "none" else None
         with pytest.raises(OUR_ERRORS) as info:
-            call(conv_bias2d, x, w, b, case)
+            call(conv_bias2d, x, w, b, case, residual=stray)
         message = str(info.value)
         assert message.startswith(("convbias", "conv_bias2d")), f"case {number} {case}: unclear error: {message}"
         return "rejected"
+    residual = None
+    if kind != "none":
+        shape = list(probe.shape)
+        shape[1] += kind == "wrong"
+        residual = laid_out(torch.randn(shape, generator=gen, dtype=torch.float64).to(device, case.dtype), case.layout)
+        if kind == "wrong":
+            with pytest.raises(ValueError, match=r"convbias.forward_residual: expected `residual` of shape"):
+                call(conv_bias2d, x, w, b, case, residual=residual)
+            return "rejected"
+        residual.requires_grad_(case.input_grad)
+    del probe
     mode = MODES[dtypes[case.dtype]]
-    expected, leaves = float64_oracle(case, (x, w, b))
-    actual = call(conv_bias2d, x, w, b, case)
+    expected, leaves = float64_oracle(case, (x, w, b, residual))
+    actual = call(conv_bias2d, x, w, b, case, residual=residual)
     assert actual.shape == expected.shape and actual.dtype == case.dtype, f"case {number} {case}: {actual.dtype}"
     assert_close(actual.detach().cpu().double(), expected.detach(), mode, f"case {number} {case}: output")
-    names = [name for name, t in (("input", x), ("weight", w), ("bias", b)) if t is not None and t.requires_grad]
-    ours = [t for t in (x, w, b) if t is not None and t.requires_grad]
+    named = (("input", x), ("weight", w), ("bias", b), ("residual", residual))
+    names = [name for name, t in named if t is not None and t.requires_grad]
+    ours = [t for _, t in named if t is not None and t.requires_grad]
     # grad_output in the output's own layout (as autograd hands it over in a model), rounded to the case's dtype.
     seed = torch.empty_like(actual).copy_(torch.randn(expected.shape, generator=gen, dtype=torch.float64))
     for name, got, want in zip(names, grads(actual, seed, ours), grads(expected, seed.cpu().double(), leaves)):
         assert_close(got.cpu().double() if got is not None else None, want, mode, f"case {number} {case}: grad {name}")
     if coverage is not None and device == "cuda":
-        record_path(case, x, w, b, seed, coverage)
+        record_path(case, x, w, b, seed, coverage, residual)
     return "valid"
 
 
@@ -356,7 +395,8 @@ def test_fuzz_param_grad(device: str, record_property: Any) -> None:
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_fuzz_cuda(record_property: Any) -> None:
-    coverage = {"graph_forward": 0, "graph_weight_grad": 0, "bias_kernel": 0, "activation_cases": 0, "activation_epilogue": 0}
+    coverage = {"graph_forward": 0, "graph_weight_grad": 0, "bias_kernel": 0, "activation_cases": 0,
+                "activation_epilogue": 0, "residual_cases": 0, "residual_graph": 0}
     counts = fuzz("cuda", CUDA_DTYPES, coverage=coverage)
     record_property("fuzz_counts", {**counts, **coverage})
     print(f"fuzz cuda: {CASES} cases, {counts}, paths of the valid ones: {coverage}")
@@ -367,6 +407,8 @@ def test_fuzz_cuda(record_property: Any) -> None:
     assert coverage["bias_kernel"] >= counts["valid"] // 5, coverage
     # Activations drawn in numbers, and some of them run in the forward graph's epilogue.
     assert coverage["activation_cases"] >= counts["valid"] // 4 and coverage["activation_epilogue"] > 0, coverage
+    # Residuals drawn in numbers (whether a precompiled engine runs their graph is recorded, not required).
+    assert coverage["residual_cases"] >= counts["valid"] // 5, coverage
 
 
 # Problems on which ATen's CPU convolution (torch 2.14.1) segfaults, found by the fuzzing above: ours must run
