@@ -85,6 +85,67 @@ std::tuple<at::Tensor, at::Tensor> forward_with_preactivation_call(
   return op.call(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
 }
 
+// What conv_backward reads back: the conv parameters, whether there is a bias, the activation.
+void save_conv_args(
+    AutogradContext* ctx, c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
+    const c10::SymInt& groups, bool has_bias, c10::string_view activation, double negative_slope) {
+  ctx->saved_data["stride"] = stride;
+  ctx->saved_data["padding"] = padding;
+  ctx->saved_data["dilation"] = dilation;
+  ctx->saved_data["groups"] = groups;
+  ctx->saved_data["has_bias"] = has_bias;
+  ctx->saved_data["activation"] = std::string(activation);
+  ctx->saved_data["negative_slope"] = negative_slope;
+}
+
+// The gradients of act(conv + bias [+ residual]) for the forward saved in `ctx` (input or its stand-in, weight, what
+// the activation's derivative needs; the conv parameters and the activation in saved_data): z, the gradient at the
+// sum, by _activation_backward (the bias gradient in the same pass), then the input gradient of z when needed and
+// the weight (and, where not done yet, bias) gradient by param_grad.
+struct ConvGrads {
+  at::Tensor input, weight, bias, z;
+};
+
+ConvGrads conv_backward(
+    AutogradContext* ctx, at::Tensor grad_output, bool needs_input, bool needs_weight, bool needs_bias) {
+  const auto saved = ctx->get_saved_variables();
+  const at::Tensor& input = saved[0];
+  const at::Tensor& weight = saved[1];
+  const std::string& activation = ctx->saved_data["activation"].toStringRef();
+  const double negative_slope = ctx->saved_data["negative_slope"].toDouble();
+  const ActivationSpec spec = parse_activation("convbias.forward", activation, negative_slope);
+  const auto stride = ctx->saved_data["stride"].toSymIntVector();
+  const auto padding = ctx->saved_data["padding"].toSymIntVector();
+  const auto dilation = ctx->saved_data["dilation"].toSymIntVector();
+  const c10::SymInt groups = ctx->saved_data["groups"].toSymInt();
+
+  ConvGrads g;
+  g.z = std::move(grad_output);
+  bool bias_done = false;
+  if (!spec.is_identity()) {
+    auto [grad_z, fused_grad_bias] = activation_backward_call(g.z, saved[2], activation, negative_slope, needs_bias);
+    g.z = std::move(grad_z);
+    if (fused_grad_bias.has_value()) {
+      g.bias = std::move(*fused_grad_bias);
+      bias_done = true;
+    }
+  }
+  if (needs_input) {
+    g.input = input_gradient(g.z, input, weight, stride, padding, dilation, groups);
+  }
+  const bool param_bias = needs_bias && !bias_done;
+  if (needs_weight || param_bias) {
+    // Through the dispatcher: with create_graph=True param_grad's autograd marks the results as not differentiable
+    // further; otherwise it goes straight to the kernel.
+    auto [w, b] = param_grad_symint(g.z, input, weight, stride, padding, dilation, groups, {needs_weight, param_bias});
+    g.weight = w.value_or(at::Tensor());
+    if (param_bias) {
+      g.bias = b.value_or(at::Tensor());
+    }
+  }
+  return g;
+}
+
 class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
  public:
   static at::Tensor forward(
@@ -99,13 +160,7 @@ class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
       c10::string_view activation,
       double negative_slope) {
     const ActivationSpec spec = parse_activation("convbias.forward", activation, negative_slope);
-    ctx->saved_data["stride"] = stride;
-    ctx->saved_data["padding"] = padding;
-    ctx->saved_data["dilation"] = dilation;
-    ctx->saved_data["groups"] = groups;
-    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
-    ctx->saved_data["activation"] = std::string(activation);
-    ctx->saved_data["negative_slope"] = negative_slope;
+    save_conv_args(ctx, stride, padding, dilation, groups, bias.has_value() && bias->defined(), activation, negative_slope);
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     at::Tensor output;
     at::Tensor for_derivative; // what the activation's derivative is computed from (activation.h)
@@ -125,51 +180,12 @@ class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& input = saved[0];
-    const at::Tensor& weight = saved[1];
-    const std::string& activation = ctx->saved_data["activation"].toStringRef();
-    const double negative_slope = ctx->saved_data["negative_slope"].toDouble();
-    const ActivationSpec spec = parse_activation("convbias.forward", activation, negative_slope);
-    const auto stride = ctx->saved_data["stride"].toSymIntVector();
-    const auto padding = ctx->saved_data["padding"].toSymIntVector();
-    const auto dilation = ctx->saved_data["dilation"].toSymIntVector();
-    const c10::SymInt groups = ctx->saved_data["groups"].toSymInt();
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
     // needs_input_grad indexes the tensor inputs that were given: input, weight, then bias if any.
-    const bool needs_input = ctx->needs_input_grad(0);
-    const bool needs_weight = ctx->needs_input_grad(1);
-    const bool needs_bias = has_bias && ctx->needs_input_grad(2);
-
-    // The gradient at the convolution's output (the activation's derivative applied): what the parameter and input
-    // gradients are taken of. With an activation, one pass writes it and sums it into the bias gradient.
-    at::Tensor grad_output = grad_outputs[0];
-    at::Tensor grad_input, grad_weight, grad_bias;
-    bool bias_done = false;
-    if (!spec.is_identity()) {
-      auto [grad_z, fused_grad_bias] = activation_backward_call(grad_output, saved[2], activation, negative_slope, needs_bias);
-      grad_output = std::move(grad_z);
-      if (fused_grad_bias.has_value()) {
-        grad_bias = std::move(*fused_grad_bias);
-        bias_done = true;
-      }
-    }
-    if (needs_input) {
-      grad_input = input_gradient(grad_output, input, weight, stride, padding, dilation, groups);
-    }
-    const bool param_bias = needs_bias && !bias_done;
-    if (needs_weight || param_bias) {
-      // Through the dispatcher: with create_graph=True param_grad's autograd marks the results as not
-      // differentiable further; otherwise it goes straight to the kernel.
-      auto [w, b] =
-          param_grad_symint(grad_output, input, weight, stride, padding, dilation, groups, {needs_weight, param_bias});
-      grad_weight = w.value_or(at::Tensor());
-      if (param_bias) {
-        grad_bias = b.value_or(at::Tensor());
-      }
-    }
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    const ConvGrads g = conv_backward(
+        ctx, grad_outputs[0], ctx->needs_input_grad(0), ctx->needs_input_grad(1), has_bias && ctx->needs_input_grad(2));
     // One entry per forward argument; the conv parameters and the activation get none.
-    return {grad_input, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+    return {g.input, g.weight, g.bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor()};
   }
 };
@@ -192,13 +208,7 @@ class ForwardResidualFunction : public torch::autograd::Function<ForwardResidual
       c10::string_view activation,
       double negative_slope) {
     const ActivationSpec spec = parse_activation("convbias.forward_residual", activation, negative_slope);
-    ctx->saved_data["stride"] = stride;
-    ctx->saved_data["padding"] = padding;
-    ctx->saved_data["dilation"] = dilation;
-    ctx->saved_data["groups"] = groups;
-    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
-    ctx->saved_data["activation"] = std::string(activation);
-    ctx->saved_data["negative_slope"] = negative_slope;
+    save_conv_args(ctx, stride, padding, dilation, groups, bias.has_value() && bias->defined(), activation, negative_slope);
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     at::Tensor output;
     at::Tensor for_derivative;
@@ -215,49 +225,14 @@ class ForwardResidualFunction : public torch::autograd::Function<ForwardResidual
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& input = saved[0];
-    const at::Tensor& weight = saved[1];
-    const std::string& activation = ctx->saved_data["activation"].toStringRef();
-    const double negative_slope = ctx->saved_data["negative_slope"].toDouble();
-    const ActivationSpec spec = parse_activation("convbias.forward_residual", activation, negative_slope);
-    const auto stride = ctx->saved_data["stride"].toSymIntVector();
-    const auto padding = ctx->saved_data["padding"].toSymIntVector();
-    const auto dilation = ctx->saved_data["dilation"].toSymIntVector();
-    const c10::SymInt groups = ctx->saved_data["groups"].toSymInt();
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
     // needs_input_grad indexes the tensor inputs that were given: input, weight, bias if any, residual.
-    const bool needs_input = ctx->needs_input_grad(0);
-    const bool needs_weight = ctx->needs_input_grad(1);
-    const bool needs_bias = has_bias && ctx->needs_input_grad(2);
-    const bool needs_residual = ctx->needs_input_grad(has_bias ? 3 : 2);
-
-    at::Tensor grad_z = grad_outputs[0];
-    at::Tensor grad_input, grad_weight, grad_bias;
-    bool bias_done = false;
-    if (!spec.is_identity()) {
-      auto [dz, fused_grad_bias] = activation_backward_call(grad_z, saved[2], activation, negative_slope, needs_bias);
-      grad_z = std::move(dz);
-      if (fused_grad_bias.has_value()) {
-        grad_bias = std::move(*fused_grad_bias);
-        bias_done = true;
-      }
-    }
-    if (needs_input) {
-      grad_input = input_gradient(grad_z, input, weight, stride, padding, dilation, groups);
-    }
-    const bool param_bias = needs_bias && !bias_done;
-    if (needs_weight || param_bias) {
-      auto [w, b] =
-          param_grad_symint(grad_z, input, weight, stride, padding, dilation, groups, {needs_weight, param_bias});
-      grad_weight = w.value_or(at::Tensor());
-      if (param_bias) {
-        grad_bias = b.value_or(at::Tensor());
-      }
-    }
-    return {grad_input,   grad_weight,  grad_bias,    needs_residual ? grad_z : at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor()};
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    const ConvGrads g = conv_backward(
+        ctx, grad_outputs[0], ctx->needs_input_grad(0), ctx->needs_input_grad(1), has_bias && ctx->needs_input_grad(2));
+    // The residual's gradient is the gradient at the sum.
+    const at::Tensor grad_residual = ctx->needs_input_grad(has_bias ? 3 : 2) ? g.z : at::Tensor();
+    return {g.input,      g.weight,     g.bias,       grad_residual, at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),  at::Tensor()};
   }
 };
 
