@@ -6,21 +6,16 @@ pass); gradients of every input against autograd through the float64 oracle; bad
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICES, MODES, Mode, assert_close, cuda, math_mode
+from test_activations import run_with_knobs
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_convbias
 from torch_convbias import conv_bias2d
-
-ROOT = Path(__file__).resolve().parents[1]
 
 ACTIVATIONS = {
     "identity": lambda t: t,
@@ -231,12 +226,6 @@ for i, (name, bias) in enumerate([("relu", True), ("identity", True), ("gelu", T
     rows[f"{name}-{bias}"] = torch_convbias.explain(x, w, b, padding=1, activation=name, residual=r)
 print(json.dumps(rows))
 """
-
-
-def run_with_knobs(code: str, **knobs: str) -> subprocess.CompletedProcess:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, **knobs}
-    return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 @cuda
