@@ -175,6 +175,15 @@ def measure(name: str, phase: str, mode: common.Mode, args: argparse.Namespace) 
     row["gpu_ms"] = {v: (g / args.calls if g is not None else None) for v, g in gpu.items()}
     reports = list(torch_convbias.compiler.reports)
     row["rewrites"] = reports[-1].count() if reports else None
+    # What the backend's last graph holds: convolutions rewritten with an activation, a folded batch norm, a residual
+    # add, and the candidates it left alone (why a row's figure is what it is).
+    last = reports[-1] if reports else None
+    row["rewrite_details"] = None if last is None else {
+        "with_activation": last.count() - last.count(activation="identity"),
+        "batchnorm_folded": last.count(batchnorm=True),
+        "residual": last.count(residual=True),
+        "skipped": last.skipped,
+    }
 
     def over_ours(key: str, nn_side: Sequence[str]) -> float | None:
         ours = row[key].get("ours_backend")

@@ -30,3 +30,6 @@ def test_models_benchmark_runs_every_variant_on_cpu(tmp_path: Path) -> None:
     # The tiny model's convolutions rewritten: in training the two with a bias (the bias-free one keeps its batch
     # norm), in inference all three (the batch norm folded into the second).
     assert rows["train"]["rewrites"] == 2 and rows["infer"]["rewrites"] == 3
+    # tiny(): the three convs are followed by ReLU, BN + ReLU, GELU; BN is folded for inference only; no residual.
+    assert rows["infer"]["rewrite_details"]["batchnorm_folded"] == 1 and rows["infer"]["rewrite_details"]["residual"] == 0
+    assert rows["infer"]["rewrite_details"]["with_activation"] == 3
