@@ -185,7 +185,7 @@ def check_consistent(info: dict, name: str, bias: bool) -> None:
     """explain agrees with the route it reports: the graph's operations when the residual is fused, else why not."""
     residual = info["residual"]
     if residual["fused"]:
-        last = [] if name == "identity" else [info["graph_ops"][-1]]
+        last = {"identity": [], "relu": ["RELU_FWD"], "gelu": ["GELU_FWD"]}[name]
         assert info["graph_ops"] == ["CONV_FPROP", *(["ADD"] if bias else []), "ADD", *last], info
         assert "residual add" in residual["how"], info
     else:
