@@ -291,3 +291,47 @@ def test_a_stored_graph_with_another_epilogue_is_rejected(tmp_path: Path) -> Non
     assert "RELU_FWD(lower_clip_slope=0.200000003)" in cache["disk_last_rejection"], cache
     leaky_row = [r for r in report["rows"] if r["name"] == "leaky_relu"][0]
     assert leaky_row["fused"] and leaky_row["graph_ops"][-1] == "RELU_FWD(lower_clip_slope=0.200000003)", leaky_row
+
+
+RESIDUAL_SCRIPT = r"""
+import json
+import torch
+import torch.nn.functional as F
+import torch_convbias
+
+torch.backends.cudnn.allow_tf32 = False
+rows = []
+for i, (name, dtype, has_bias) in enumerate([("relu", torch.float16, True), ("identity", torch.bfloat16, False)]):
+    g = torch.Generator(device="cuda").manual_seed(200 + i)
+    cl = torch.channels_last
+    x = torch.randn(8, 32, 12, 12, device="cuda", generator=g).to(dtype).contiguous(memory_format=cl)
+    w = (torch.randn(64, 32, 3, 3, device="cuda", generator=g) / 17).to(dtype).contiguous(memory_format=cl)
+    b = torch.randn(64, device="cuda", generator=g).to(dtype) if has_bias else None
+    r = torch.randn(8, 64, 12, 12, device="cuda", generator=g).to(dtype).contiguous(memory_format=cl)
+    y = torch_convbias.conv_bias2d(x, w, b, padding=1, activation=name, residual=r)
+    ref = F.conv2d(x.float(), w.float(), None if b is None else b.float(), padding=1) + r.float()
+    ref = F.relu(ref) if name == "relu" else ref
+    error = ((y.float() - ref).abs().max() / max(1.0, ref.abs().max())).item()
+    info = torch_convbias.explain(x, w, b, padding=1, activation=name, residual=r)
+    engine = info.get("engine") or {}
+    rows.append({
+        "ok": error <= 3e-2, "error": error, "name": name, "path": info["path"], "fused": info["residual"]["fused"],
+        "graph_ops": info["graph_ops"], "engine": engine.get("name"), "from_disk": engine.get("from_disk"),
+    })
+print(json.dumps({"cache": torch_convbias.cache_info(), "rows": rows}))
+"""
+
+
+@cuda
+def test_residual_plans_are_stored_and_loaded(tmp_path: Path) -> None:
+    """forward_residual's timed choice (the residual's graph, or forward's route and one pass) is stored under a key
+    holding the residual, and the next process loads the same route, graph and engine without building."""
+    built = run(tmp_path, "kernel", script=RESIDUAL_SCRIPT)
+    first = built["cache"]
+    assert first["disk_writes"] >= len(built["rows"]) and first["disk_rejected"] == 0, first
+    loaded = run(tmp_path, "kernel", script=RESIDUAL_SCRIPT)
+    second = loaded["cache"]
+    assert second["disk_hits"] == second["misses"] >= len(built["rows"]), second
+    assert second["disk_writes"] == 0 and second["disk_misses"] == 0 and second["disk_rejected"] == 0, second
+    route = [(r["path"], r["fused"], r["graph_ops"], r["engine"]) for r in built["rows"]]
+    assert [(r["path"], r["fused"], r["graph_ops"], r["engine"]) for r in loaded["rows"]] == route
