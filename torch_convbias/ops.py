@@ -7,12 +7,13 @@ what torch.compile and autograd need:
 * fake kernels (``torch.library.register_fake``) giving the output's shape, dtype, device and memory format (also of
   ``convbias::_activation_backward``, the activation's derivative fused with the bias gradient, and of
   ``convbias::_forward_with_preactivation``, the output with the pre-activation, both of which the autograd of
-  forward calls);
+  forward calls, and of ``convbias::forward_residual``, a residual block's ending);
 * ``setup_context``/``backward`` for :class:`torch_convbias.ConvBiasFunction`.
 
-The autograd of both ops is registered in C++ (``csrc/autograd.cpp``, no Python per call): forward's weight and
-bias gradients through ``convbias::param_grad``, the input gradient only when the input needs one; param_grad
-itself raises NotImplementedError when differentiated (double backward).
+The autograd of the ops is registered in C++ (``csrc/autograd.cpp``, no Python per call): forward's (and
+forward_residual's) weight and bias gradients through ``convbias::param_grad``, the input gradient only when the input
+needs one, the residual's as the gradient at the sum; param_grad itself raises NotImplementedError when
+differentiated (double backward).
 """
 
 from __future__ import annotations
