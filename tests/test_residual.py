@@ -273,3 +273,16 @@ def test_cuda_graph_capture() -> None:
         graph.replay()
         torch.cuda.synchronize()
     torch.testing.assert_close(captured, expected)
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])
+def test_module_takes_a_residual(padding_mode: str) -> None:
+    """ConvBias2d(..., activation=...)(x, residual=r) is the block ending; without it the module is nn.Conv2d's."""
+    torch.manual_seed(11)
+    conv = torch.nn.Conv2d(8, 16, 3, padding=1, padding_mode=padding_mode)
+    module = torch_convbias.ConvBias2d.from_conv(conv, activation="relu")
+    x, r = torch.randn(2, 8, 9, 9), torch.randn(2, 16, 9, 9)
+    with torch.no_grad():
+        expected = F.relu(conv(x) + r)
+        torch.testing.assert_close(module(x, residual=r), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(module(x), F.relu(conv(x)), rtol=1e-5, atol=1e-5)

@@ -34,7 +34,9 @@ class ConvBias2d(nn.Conv2d):
         self.activation = activation
         self.negative_slope = float(negative_slope)
 
-    def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _conv_forward(
+        self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
         # Modules made (or pickled) before the activation existed have none. The slope is read only where it counts:
         # under torch.compile(dynamic=True) a float attribute of a user module is traced as a symbolic float, which
         # Dynamo then specializes by restarting the whole frame's analysis (a second compilation of every graph).
@@ -42,14 +44,18 @@ class ConvBias2d(nn.Conv2d):
         act = activation, (self.negative_slope if activation == "leaky_relu" else 0.01)
         if self.padding_mode != "zeros":
             padded = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)
-            return conv_bias2d(padded, weight, bias, self.stride, 0, self.dilation, self.groups, *act)
-        if isinstance(self.padding, str) or input.dim() != 4:
-            return conv_bias2d(input, weight, bias, self.stride, self.padding, self.dilation, self.groups, *act)
+            return conv_bias2d(padded, weight, bias, self.stride, 0, self.dilation, self.groups, *act, residual=residual)
+        if isinstance(self.padding, str) or input.dim() != 4 or residual is not None:
+            return conv_bias2d(
+                input, weight, bias, self.stride, self.padding, self.dilation, self.groups, *act, residual=residual
+            )
         # The common case straight to the op: no Python argument normalisation per call.
         return _forward(input, weight, bias, self.stride, self.padding, self.dilation, self.groups, *act)
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return self._conv_forward(input, self.weight, self.bias)
+    def forward(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``nn.Conv2d``'s forward (then the module's activation). With ``residual`` (a tensor of the output's shape):
+        ``act(conv(input) + bias + residual)``, a residual block's ending in one op (``convbias.forward_residual``)."""
+        return self._conv_forward(input, self.weight, self.bias, residual)
 
     def extra_repr(self) -> str:
         act = getattr(self, "activation", "identity")
