@@ -1,4 +1,5 @@
-"""torch.library.opcheck on both ops (schema, autograd registration, fake tensors, AOT dispatch), and
+"""torch.library.opcheck on the ops (forward, forward_residual, param_grad: schema, autograd registration, fake tensors,
+AOT dispatch), and
 torch.compile(fullgraph=True) of a model built from ConvBias2d layers."""
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ def param_grad_samples(device: str) -> list[tuple]:
 def test_opcheck_forward(device: str) -> None:
     for sample in forward_samples(device):
         torch.library.opcheck(torch.ops.convbias.forward.default, sample)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_forward_residual(device: str) -> None:
+    """forward_residual with every input requiring grad or none, with activations of both derivative sources."""
+    for i, sample in enumerate(forward_samples(device)):
+        x, w, b, stride, padding, dilation, groups = sample
+        shape = F.conv2d(x.detach(), w.detach(), None, stride, padding, dilation, groups).shape
+        residual = torch.randn(shape, device=device).requires_grad_(x.requires_grad)
+        activation = ("identity", "relu", "gelu")[i % 3]
+        torch.library.opcheck(
+            torch.ops.convbias.forward_residual.default, (x, w, b, residual, stride, padding, dilation, groups, activation)
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -122,6 +136,30 @@ def test_export_with_dynamic_batch(device: str) -> None:
     for n in (1, 5):
         x = torch.randn(n, 3, 12, 12, device=device)
         torch.testing.assert_close(program.module()(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+class ResidualEnding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = ConvBias2d(4, 4, 3, padding=1, activation="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x, residual=x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_export_keeps_forward_residual_with_dynamic_batch(device: str) -> None:
+    """torch.export of a module calling ConvBias2d(x, residual=x): convbias.forward_residual stays in the graph, and
+    the program runs other batch sizes."""
+    torch.manual_seed(0)
+    model = ResidualEnding().to(device).eval()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(model, (torch.randn(4, 4, 8, 8, device=device),), dynamic_shapes={"x": {0: batch}})
+    assert "convbias.forward_residual" in str(program.graph)
+    for n in (1, 5):
+        x = torch.randn(n, 4, 8, 8, device=device)
+        expected = F.relu(F.conv2d(x, model.conv.weight, model.conv.bias, padding=1) + x)
+        torch.testing.assert_close(program.module()(x), expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
