@@ -1,6 +1,5 @@
 """torch.library.opcheck on the ops (forward, forward_residual, param_grad: schema, autograd registration, fake tensors,
-AOT dispatch), and
-torch.compile(fullgraph=True) of a model built from ConvBias2d layers."""
+AOT dispatch), torch.compile(fullgraph=True) of a model built from ConvBias2d layers, and torch.export."""
 
 from __future__ import annotations
 
