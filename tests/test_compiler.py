@@ -425,6 +425,7 @@ def test_cuda_inference_folds_batchnorm_under_reduce_overhead() -> None:
         for _ in range(3):  # recorded, then replayed
             actual = compiled(x)
     assert compiler.reports[-1].count(batchnorm=True) == 5
+    assert compiler.reports[-1].count(residual=True, activation="relu") == 2  # the blocks' endings: forward_residual
     torch.testing.assert_close(actual, expected, rtol=1e-3, atol=1e-3)
 
 
