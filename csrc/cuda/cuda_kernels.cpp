@@ -59,12 +59,9 @@ at::Tensor forward_residual_cuda(
     int64_t groups,
     c10::string_view activation,
     double negative_slope) {
-  const ActivationSpec spec = check_forward_residual_call(
-                                  input, weight, bias, residual, stride, padding, dilation, groups, activation,
-                                  negative_slope)
-                                  .second;
+  const auto [params, spec] = check_forward_residual_call(
+      input, weight, bias, residual, stride, padding, dilation, groups, activation, negative_slope);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  const ConvParams params = check_forward_args(input, weight, bias, stride, padding, dilation, groups);
   const cuda::ResidualRoute route = cuda::route_forward_residual(input, weight, bias, residual, params, spec);
   if (route.plan && route.plan->residual_fused) {
     const cuda::PreparedForward& p = *route.prepared;

@@ -277,11 +277,8 @@ std::string explain_residual_cuda(
     int64_t groups,
     c10::string_view activation,
     double negative_slope) {
-  const ActivationSpec spec = check_forward_residual_call(
-                                  input, weight, bias, residual, stride, padding, dilation, groups, activation,
-                                  negative_slope)
-                                  .second;
-  const ConvParams params = check_forward_args(input, weight, bias, stride, padding, dilation, groups);
+  const auto [params, spec] = check_forward_residual_call(
+      input, weight, bias, residual, stride, padding, dilation, groups, activation, negative_slope);
   const c10::cuda::CUDAGuard device_guard(input.device());
   const cuda::ResidualRoute route = cuda::route_forward_residual(input, weight, bias, residual, params, spec);
   const auto& plan = route.plan;
