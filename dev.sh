@@ -112,8 +112,8 @@ case "${1:-}" in
       # kernels), racecheck and synccheck (shared-memory races and barrier misuse) on one thread's calls. Each tool
       # is bounded (SANITIZE_TIMEOUT seconds): the sanitizer slows cuDNN's kernels 10-100x.
       : > "$out/sanitize.log"
-      for tool in memcheck racecheck synccheck; do
-        args=()
+      # SANITIZE_TOOLS="synccheck" runs a subset.
+      for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
         args=(--quick)
         [ "$tool" = memcheck ] && args=(--threads 2 --rounds 1)
         echo "== compute-sanitizer --tool $tool" >> "$out/sanitize.log"
