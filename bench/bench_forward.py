@@ -517,20 +517,14 @@ def forward_activation_spec(activation: str, residual: bool = False) -> harness.
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns the exit status (0 also when targets are missed: that is a result). ``--residual``
     (with ``--activation``) times the residual block ending act(conv + bias + residual) instead."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    residual = "--residual" in args
-    if residual:
-        args.remove("--residual")
-        if not any(a == "--activation" or a.startswith("--activation=") for a in args):
-            print("bench_forward: --residual needs --activation NAME", file=sys.stderr)
-            return 2
     return harness.run_with_activation(
-        args,
-        lambda activation: SPEC if activation == "identity" else forward_activation_spec(activation, residual),
-        lambda activation: measure
+        argv,
+        lambda activation, residual: SPEC if activation == "identity" else forward_activation_spec(activation, residual),
+        lambda activation, residual: measure
         if activation == "identity"
         else functools.partial(measure_activation, activation=activation, residual=residual),
         ACTIVATION_MODULES,
+        {"residual": "time the residual block ending act(conv + bias + residual) instead (needs --activation)"},
     )
 
 

@@ -742,14 +742,25 @@ def run(
 
 def run_with_activation(
     argv: Sequence[str] | None,
-    spec_for: Callable[[str], Spec],
-    measure_for: Callable[[str], Measure],
+    spec_for: Callable[..., Spec],
+    measure_for: Callable[..., Measure],
     activations: Iterable[str],
+    activation_flags: Mapping[str, str] | None = None,
 ) -> int:
     """``run`` for a benchmark that also takes ``--activation NAME`` (identity by default): the spec and measure of
-    that activation, the rest of the command line as usual."""
+    that activation, the rest of the command line as usual. ``activation_flags`` (name -> help) are boolean options
+    of the activation block (e.g. ``residual``), valid only with an activation; they reach ``spec_for`` and
+    ``measure_for`` as keyword arguments. Returns 2 with argparse's message on a flag without an activation."""
+    flags = dict(activation_flags or {})
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--activation", choices=["identity", *activations], default="identity")
+    for name, text in flags.items():
+        pre.add_argument(f"--{name.replace('_', '-')}", dest=name, action="store_true", help=text)
     known, rest = pre.parse_known_args(argv)
-    spec = spec_for(known.activation)
-    return run(spec, parse_args(spec, rest), measure_for(known.activation))
+    chosen = {name: getattr(known, name) for name in flags}
+    if known.activation == "identity" and any(chosen.values()):
+        given = ", ".join(f"--{name.replace('_', '-')}" for name, on in chosen.items() if on)
+        print(f"bench: {given} needs --activation NAME", file=sys.stderr)
+        return 2
+    spec = spec_for(known.activation, **chosen)
+    return run(spec, parse_args(spec, rest), measure_for(known.activation, **chosen))
