@@ -70,8 +70,11 @@ struct FpropPlan {
   // The activation (not identity): in the graph's epilogue, or ATen's pass over the graph's (or ATen's) output.
   bool activation_fused = false;
   std::string activation_why; // why it is (not) in the graph: the knob, cuDNN's refusal, or the timings
-  float epilogue_ms = -1; // measured (timed choices): the graph with the epilogue ...
-  float separate_activation_ms = -1; // ... against the graph without it followed by ATen's activation
+  // Measured (timed choices): the graph with the epilogue in it ... against the graph without it followed by ATen's
+  // pointwise pass. The epilogue is the activation, or for a has_residual problem the residual add (and activation,
+  // if any): one pair of fields for both, so explain() and the plan store read them the same way.
+  float epilogue_ms = -1;
+  float separate_activation_ms = -1;
   // The graph writes the pre-activation as a second output (activation_fused for a keep_preactivation problem): the
   // bias ADD's (or, without bias, the convolution's) result marked as an output rather than left virtual.
   bool preactivation_output = false;
