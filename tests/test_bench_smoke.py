@@ -165,6 +165,10 @@ def test_stress_memory_smoke(tmp_path: Path) -> None:
     assert [s["calls"] for s in results["samples"]] == [0, 20, 40]
     assert all(s["max_rss_mib"] > 0 for s in results["samples"])
     assert results["verdict"]["cache_bounded"] is True and results["verdict"]["allocated_bounded"] is None
+    assert isinstance(results["verdict"]["rss_bounded"], bool)
+    # The verdict's RSS bound is real: a run whose resident memory grows past the tolerance is not bounded.
+    grown = [dict(s, max_rss_mib=100.0 + 50 * i) for i, s in enumerate(results["samples"])]
+    assert stress_memory.verdict(grown, 64, 64.0)["rss_bounded"] is False
 
 
 def test_numerics_check_fails_a_forward_that_dropped_the_bias() -> None:
