@@ -4,6 +4,11 @@
 #   ./dev.sh setup   install what is missing, then build the extension in place
 #   ./dev.sh test    setup, then run the test suite
 #   ./dev.sh demo    setup, then run the layer-by-layer training demo
+#   ./dev.sh prebuild DIR
+#                    build the extension for another machine's Python and torch (PYTHON=that venv's python, e.g. one
+#                    with the GPU box's torch 2.11.0+cu130 on Python 3.12) from a copy of this tree, stripped, with a
+#                    stamp; `TORCH_CONVBIAS_PREBUILT=DIR ./dev.sh ...` on that machine then skips the ~150 s build
+#                    when the stamp matches (same Python, torch, cuDNN wheel and csrc/ + setup.py), else builds
 #   ./dev.sh gpu DIR [all|tests|bench|sanitize]
 #                    on the GPU machine: setup, then the doctor and the CUDA tests (tests), every benchmark and
 #                    the demo on cuda (bench), or both (all), or compute-sanitizer's memcheck, racecheck and synccheck
@@ -25,6 +30,67 @@ FRONTEND_VERSION=${TORCH_CONVBIAS_FRONTEND_VERSION:-1.32.0}
 has_module() { "$PYTHON" -c "import $1" >/dev/null 2>&1; }
 has_dist() { "$PYTHON" -c "import importlib.metadata as m; m.distribution('$1')" >/dev/null 2>&1; }
 
+# What a build depends on besides the compiler: Python, torch and the cuDNN wheel versions, and the sources.
+build_stamp() {
+  "$PYTHON" - <<'EOF'
+import hashlib
+import importlib.metadata as metadata
+import pathlib
+import sys
+
+import torch
+
+digest = hashlib.sha256()
+for path in sorted([*pathlib.Path("csrc").rglob("*"), pathlib.Path("setup.py")]):
+    if path.is_file():
+        digest.update(str(path).encode() + b"\0" + path.read_bytes())
+try:
+    cudnn = metadata.version("nvidia-cudnn-cu13")
+except metadata.PackageNotFoundError:
+    cudnn = "-"
+print(f"python={sys.version_info[0]}.{sys.version_info[1]} torch={torch.__version__} cudnn={cudnn} "
+      f"sources={digest.hexdigest()[:16]}")
+EOF
+}
+
+# TORCH_CONVBIAS_PREBUILT=DIR (from `./dev.sh prebuild DIR`): use its libraries when its stamp is this machine's and
+# they import; returns 1 (build instead) otherwise, saying why.
+use_prebuilt() {
+  local dir=${TORCH_CONVBIAS_PREBUILT:-}
+  [ -n "$dir" ] || return 1
+  local want have
+  want=$(cat "$dir/stamp.txt" 2>/dev/null) || { echo "dev.sh: no $dir/stamp.txt; building"; return 1; }
+  have=$(build_stamp)
+  if [ "$want" != "$have" ]; then
+    echo "dev.sh: prebuilt for '$want', this is '$have'; building"
+    return 1
+  fi
+  cp "$dir/_C.so" "$dir/libtorch_convbias.so" torch_convbias/
+  if ! "$PYTHON" -c "import torch_convbias" >/dev/null 2>&1; then
+    echo "dev.sh: the prebuilt libraries do not import here; building"
+    rm -f torch_convbias/_C.so torch_convbias/libtorch_convbias.so
+    return 1
+  fi
+  echo "dev.sh: using the prebuilt libraries of $dir ($want)"
+}
+
+prebuild() {
+  local out=${1:?usage: PYTHON=/path/to/venv/bin/python ./dev.sh prebuild OUTDIR}
+  local work
+  out=$(realpath -m "$out")
+  work=$(mktemp -d)
+  # The tree as it is (tracked and untracked, not ignored files), so that the stamp's sources are these.
+  git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$work"
+  (cd "$work" && MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PYTHON" setup.py --quiet build_ext --inplace) || { rm -rf "$work"; return 1; }
+  mkdir -p "$out"
+  for lib in _C.so libtorch_convbias.so; do
+    strip --strip-debug -o "$out/$lib" "$work/torch_convbias/$lib"
+  done
+  (cd "$work" && build_stamp) > "$out/stamp.txt"
+  rm -rf "$work"
+  echo "dev.sh: prebuilt into $out: $(cat "$out/stamp.txt")"
+}
+
 setup() {
   local missing=()
   has_module torch || missing+=("torch==$TORCH_VERSION")
@@ -42,12 +108,14 @@ setup() {
   if ! command -v cmake >/dev/null 2>&1 && ! has_module cmake; then
     "$PYTHON" -m pip install --quiet cmake || echo "dev.sh: cmake not installed; the LibTorch example test will skip"
   fi
+  use_prebuilt && return 0
   echo "dev.sh: building torch_convbias._C against torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"
   MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PYTHON" setup.py --quiet build_ext --inplace
 }
 
 case "${1:-}" in
   setup) setup ;;
+  prebuild) shift; prebuild "$@" ;;
   test) setup; shift; exec "$PYTHON" -m pytest tests "$@" ;;
   demo) setup; shift; exec "$PYTHON" examples/layerwise_digits.py "$@" ;;
   gpu)
@@ -126,5 +194,5 @@ case "${1:-}" in
       grep -E "^== |ERROR SUMMARY|sanitize_workload:" "$out/sanitize.log" || true
     fi
     exit $status ;;
-  *) sed -n '2,11p' "$0"; exit 2 ;;
+  *) sed -n '2,19p' "$0"; exit 2 ;;
 esac
