@@ -25,7 +25,8 @@ std::string math_flags();
 // Test hook: the next `count` cuDNN graph executions fail as a failing execute would (0 clears it).
 void inject_execution_failures(int64_t count);
 
-// Test hook: the next `count` forward graphs with an activation epilogue are refused as if by cuDNN (0 clears it).
+// Test hook: the next `count` forward graphs with an epilogue (an activation, a residual add) are refused as if by
+// cuDNN (0 clears it).
 void inject_epilogue_rejections(int64_t count);
 
 } // namespace convbias

@@ -71,8 +71,8 @@ TORCH_LIBRARY(convbias, m) {
   m.def("_math_flags() -> str", &convbias::math_flags);
   // Test hook: the next `count` cuDNN graph executions fail as a failing execute would (0 clears it).
   m.def("_inject_execution_failures(int count) -> ()", &convbias::inject_execution_failures);
-  // Test hook: the next `count` forward graphs with the activation in their epilogue are refused as cuDNN would refuse
-  // them (the graph without it and ATen's activation pass run instead); 0 clears it.
+  // Test hook: the next `count` forward graphs with an epilogue (the activation, the residual add) are refused as cuDNN
+  // would refuse them (the graph without it and one pointwise pass run instead); 0 clears it.
   m.def("_inject_epilogue_rejections(int count) -> ()", &convbias::inject_epilogue_rejections);
   // [cuDNN version compiled against, cuDNN version loaded at run time, cuDNN frontend version].
   m.def("_cudnn_versions() -> int[]", &convbias::cudnn_versions);

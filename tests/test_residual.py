@@ -242,6 +242,57 @@ def test_cuda_forced_graph_adds_the_residual_in_the_graph() -> None:
 
 
 @cuda
+def test_cuda_refused_residual_graph_takes_forwards_route() -> None:
+    """cuDNN refusing the residual's graph (the test hook refuses it as cuDNN would): forward's route, then one pass
+    adding the residual and applying the activation; the same result, and explain says which graph was refused."""
+    x, w, b, r = cuda_problem(torch.float16, 19, seed=5)
+    try:
+        torch.ops.convbias._inject_epilogue_rejections(1)
+        out = conv_bias2d(x, w, b, padding=1, activation="relu", residual=r)
+    finally:
+        torch.ops.convbias._inject_epilogue_rejections(0)
+    info = torch_convbias.explain(x, w, b, padding=1, activation="relu", residual=r)  # the plan the call made (cached)
+    residual = info["residual"]
+    assert residual["fused"] is False and "rejected" in residual["why"] and "test hook" in residual["why"], residual
+    check_consistent(info, "relu", bias=True)
+    close(out, oracle(x, w, b, r, "relu"), MODES["float16"])
+
+
+REFUSED_WHEN_FORCED_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, "tests")
+from test_residual import cuda_problem, oracle, close
+from conftest import MODES
+import torch_convbias
+x, w, b, r = cuda_problem(torch.float16, 21, seed=7)
+torch.ops.convbias._inject_epilogue_rejections(1)
+try:
+    torch_convbias.conv_bias2d(x, w, b, padding=1, activation="relu", residual=r)
+    refused = None
+except RuntimeError as error:
+    refused = str(error)
+# The refusal is not cached: the next call builds the graph.
+out = torch_convbias.conv_bias2d(x, w, b, padding=1, activation="relu", residual=r)
+close(out, oracle(x, w, b, r, "relu"), MODES["float16"])
+info = torch_convbias.explain(x, w, b, padding=1, activation="relu", residual=r)
+print(json.dumps({"refused": refused, "info": info}))
+"""
+
+
+@cuda
+def test_cuda_forced_graph_refused_raises_saying_why() -> None:
+    """TORCH_CONVBIAS_PATH=fused where cuDNN refuses the residual's graph: an error naming the knob, the graph and
+    cuDNN's reason, never a silent fallback; once cuDNN accepts it again, the graph runs."""
+    result = run_with_knobs(REFUSED_WHEN_FORCED_SCRIPT, TORCH_CONVBIAS_PATH="fused")
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    refused = row["refused"]
+    assert refused is not None, row
+    assert "TORCH_CONVBIAS_PATH=fused but cuDNN rejected the" in refused and "test hook" in refused, refused
+    assert row["info"]["residual"]["fused"] is True, row["info"]
+
+
+@cuda
 def test_cuda_nchw_and_unfused_knob_take_forwards_route() -> None:
     x, w, b, r = cuda_problem(torch.float16, 15, seed=3)
     x, w, r = x.contiguous(), w.contiguous(), r.contiguous()

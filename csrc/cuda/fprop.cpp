@@ -51,7 +51,7 @@ std::string graph_name(const GraphForm& form, const ActivationSpec& activation) 
 // when cuDNN does not accept the graph itself.
 std::shared_ptr<fe::graph::Graph> make_graph(
     const FpropProblem& p, const GraphForm& form, cudnnHandle_t handle, std::string* why) {
-  if (form.activation && take_injected_epilogue_rejection()) {
+  if ((form.activation || form.residual) && take_injected_epilogue_rejection()) {
     *why = "refused by the test hook (convbias::_inject_epilogue_rejections)";
     return nullptr;
   }
