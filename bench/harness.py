@@ -750,7 +750,7 @@ def run_with_activation(
     """``run`` for a benchmark that also takes ``--activation NAME`` (identity by default): the spec and measure of
     that activation, the rest of the command line as usual. ``activation_flags`` (name -> help) are boolean options
     of the activation block (e.g. ``residual``), valid only with an activation; they reach ``spec_for`` and
-    ``measure_for`` as keyword arguments. Returns 2 with argparse's message on a flag without an activation."""
+    ``measure_for`` as keyword arguments. A flag given without an activation: a message and exit status 2."""
     flags = dict(activation_flags or {})
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--activation", choices=["identity", *activations], default="identity")
