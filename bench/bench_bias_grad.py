@@ -232,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15, help="throughput samples per way")
     parser.add_argument("--activations", nargs="*", default=["relu", "gelu", "silu"], choices=list(ACTIVATIONS),
                         help="activations of the fused activation-backward table (none: skip it)")
+    parser.add_argument("--only-activations", action="store_true",
+                        help="skip the bias-gradient table (its rows and summary are empty in the JSON)")
     parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -240,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     copy = measure_copy_bandwidth("cuda", args.warmup, args.iters)
     copy_gbps = copy.get("gbps")
     rows: list[dict[str, Any]] = []
-    for dtype_name, dtype, dims in output_shapes(args.dtypes):
+    for dtype_name, dtype, dims in output_shapes([] if args.only_activations else args.dtypes):
         dy = torch.randn(dims, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
         nbytes = dy.numel() * dy.element_size()
         fns = ways(dy)

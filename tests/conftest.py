@@ -68,3 +68,33 @@ def assert_close(actual: torch.Tensor | None, expected: torch.Tensor | None, mod
         return
     scale = max(1.0, expected.detach().abs().amax().item()) if expected.numel() else 1.0
     torch.testing.assert_close(actual, expected, rtol=mode.rtol, atol=mode.atol * scale, msg=lambda m: f"{what}: {m}")
+
+
+def every_value(dtype: torch.dtype, bound: float) -> torch.Tensor:
+    """Every finite value of a 16-bit float dtype within [-bound, bound], in order of bit pattern (1-D, CPU)."""
+    assert dtype in (torch.float16, torch.bfloat16), dtype
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    return values[values.isfinite() & (values.abs() <= bound)]
+
+
+# Below float32's normal range the fast exp and division of the 16-bit activation kernels flush to zero
+# (csrc/cuda/activation_math.cuh); a difference this small from float64 is allowed there.
+FLUSHED = 1e-35
+
+
+def assert_within_one_ulp(got: torch.Tensor, want: torch.Tensor, what: str, max_mismatch: float) -> None:
+    """``got`` (16-bit) within one unit in the last place of ``want`` (float64; ``FLUSHED`` absolute near zero), and
+    equal to ``want``'s correct rounding in all but a ``max_mismatch`` fraction of elements."""
+    got64 = got.detach().cpu().double().flatten()
+    want = want.detach().cpu().double().flatten()
+    finfo = torch.finfo(got.dtype)
+    _, exponent = torch.frexp(want.abs().clamp_min(finfo.tiny))
+    ulp = finfo.eps * torch.ldexp(torch.ones_like(want), exponent - 1)
+    error = (got64 - want).abs()
+    beyond = error > ulp + FLUSHED
+    assert not beyond.any(), (
+        f"{what}: {int(beyond.sum())} of {want.numel()} values beyond one ulp, e.g. got {got64[beyond][:4].tolist()} "
+        f"for {want[beyond][:4].tolist()}"
+    )
+    mismatch = (got64 != want.to(got.dtype).double()).double().mean().item()
+    assert mismatch <= max_mismatch, f"{what}: {mismatch:.2e} of the values differ from float64's rounding"

@@ -682,6 +682,42 @@ print(json.dumps(rows))
 """
 
 
+ONE_PASS_EVERY_VALUE_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, "tests")
+from conftest import assert_within_one_ulp, every_value
+from test_activations import REFERENCE
+import torch_convbias
+rows = {}
+for dtype in (torch.float16, torch.bfloat16):
+    values = every_value(dtype, 16.0)
+    values = torch.cat([values, values.new_zeros(-values.numel() % 256)])
+    # The identity 1x1 convolution (one product by 1, FP32 accumulation: exact): the pass's input is x itself.
+    x = values.view(-1, 2, 2, 64).permute(0, 3, 1, 2).cuda()
+    w = torch.eye(64, dtype=dtype, device="cuda").view(64, 64, 1, 1).contiguous(memory_format=torch.channels_last)
+    b = torch.zeros(64, dtype=dtype, device="cuda")
+    for name in ("gelu", "gelu_tanh", "silu", "sigmoid"):
+        out = torch_convbias.conv_bias2d(x, w, b, activation=name)
+        want = REFERENCE[name](x.cpu().double(), 0.01)
+        assert_within_one_ulp(out, want, f"{name} {dtype}", max_mismatch=5e-3)
+        rows[f"{name}-{dtype}"] = torch_convbias.explain(x, w, b, activation=name)
+print(json.dumps(rows))
+"""
+
+
+@needs_cuda
+def test_one_pass_16bit_activation_within_one_ulp_of_every_value() -> None:
+    """float16 / bfloat16: the one bias + activation pass computes gelu, gelu_tanh, silu and sigmoid with cheaper float
+    math (csrc/cuda/activation_math.cuh); over every value of the dtype in [-16, 16] (through an identity 1x1
+    convolution, TORCH_CONVBIAS_PATH=unfused) the output is within one ulp of float64's and is its correct rounding in
+    all but a few per thousand values."""
+    result = run_with_knobs(ONE_PASS_EVERY_VALUE_SCRIPT, TORCH_CONVBIAS_PATH="unfused")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    for row, info in rows.items():
+        assert info["path"] == "conv+bias_add" and info["activation"]["how"] == ONE_PASS, (row, info)
+
+
 @needs_cuda
 def test_conv_graph_then_one_bias_activation_pass() -> None:
     """TORCH_CONVBIAS_PATH=unfused: the conv graph, then one pass of ours adding the bias and applying the activation

@@ -6,7 +6,9 @@
 //
 // The derivatives follow PyTorch's CUDA kernels formula for formula (aten/src/ATen/native/cuda: threshold_backward,
 // leaky_relu_backward, gelu_backward with approximate none / tanh, silu_backward, sigmoid_backward, tanh_backward),
-// computed in the same opmath type, so that dz agrees with ATen's to the last bit but for contraction into FMAs.
+// computed in the same opmath type, so that dz agrees with ATen's to the last bit but for contraction into FMAs; for
+// float16 / bfloat16 the transcendental ones (gelu, gelu_tanh, silu) use the cheaper math of activation_math.cuh,
+// whose error is far below the dtype's rounding (that pass was arithmetic-bound at 2 bytes per element).
 #include "cuda/activation_backward.h"
 #include "cuda/activation_math.cuh"
 #include "cuda/column_sum.cuh"
@@ -42,20 +44,19 @@ struct LeakyReluGrad {
   }
 };
 
-// gelu_backward(approximate="none") from z: g * (Phi(z) + z * phi(z)).
-template <typename Acc>
+// gelu_backward(approximate="none") from z: g * (Phi(z) + z * phi(z)) (kFast: activation_math.cuh's cheaper math).
+template <typename Acc, bool kFast>
 struct GeluGrad {
   __device__ Acc operator()(Acc g, Acc x) const {
-    constexpr Acc kBeta = static_cast<Acc>(M_2_SQRTPI * M_SQRT1_2 * 0.5);
-    constexpr Acc kAlpha = static_cast<Acc>(M_SQRT1_2);
-    const Acc cdf = Acc(0.5) * (Acc(1) + erf_of(x * kAlpha));
-    const Acc pdf = exp_of(Acc(-0.5) * x * x) * kBeta;
+    const Acc pdf = normal_pdf_as<kFast>(x);
+    const Acc cdf = normal_cdf_as<kFast>(x, pdf);
     return g * (cdf + x * pdf);
   }
 };
 
-// gelu_backward(approximate="tanh") from z.
-template <typename Acc>
+// gelu_backward(approximate="tanh") from z. kFast: with s = sigmoid(2 inner) = (1 + tanh(inner)) / 2, the two halves
+// are s and x * 2 s (1 - s) * beta * (1 + 3 kappa x^2) (1 - tanh^2 = 4 s (1 - s)): one __expf, no tanhf.
+template <typename Acc, bool kFast>
 struct GeluTanhGrad {
   __device__ Acc operator()(Acc g, Acc x) const {
     constexpr Acc kBeta = static_cast<Acc>(M_SQRT2 * M_2_SQRTPI * 0.5);
@@ -63,21 +64,26 @@ struct GeluTanhGrad {
     const Acc x_sq = x * x;
     const Acc x_cube = x_sq * x;
     const Acc inner = kBeta * (x + kKappa * x_cube);
-    const Acc tanh_inner = tanh_of(inner);
-    const Acc left = Acc(0.5) * x;
-    const Acc right = Acc(1) + tanh_inner;
-    const Acc left_derivative = Acc(0.5) * right;
-    const Acc right_derivative =
-        left * (Acc(1) - tanh_inner * tanh_inner) * kBeta * (Acc(1) + Acc(3) * kKappa * x_sq);
-    return g * (left_derivative + right_derivative);
+    if constexpr (kFast) {
+      const Acc s = sigmoid_as<true>(Acc(2) * inner);
+      return g * (s + Acc(2) * x * s * (Acc(1) - s) * kBeta * (Acc(1) + Acc(3) * kKappa * x_sq));
+    } else {
+      const Acc tanh_inner = tanh_of(inner);
+      const Acc left = Acc(0.5) * x;
+      const Acc right = Acc(1) + tanh_inner;
+      const Acc left_derivative = Acc(0.5) * right;
+      const Acc right_derivative =
+          left * (Acc(1) - tanh_inner * tanh_inner) * kBeta * (Acc(1) + Acc(3) * kKappa * x_sq);
+      return g * (left_derivative + right_derivative);
+    }
   }
 };
 
 // silu_backward from z: g * s * (1 + z * (1 - s)), s = sigmoid(z).
-template <typename Acc>
+template <typename Acc, bool kFast>
 struct SiluGrad {
   __device__ Acc operator()(Acc g, Acc x) const {
-    const Acc s = Acc(1) / (Acc(1) + exp_of(-x));
+    const Acc s = sigmoid_as<kFast>(x);
     return g * s * (Acc(1) + x * (Acc(1) - s));
   }
 };
@@ -159,9 +165,10 @@ at::Tensor run_activation(
       // The slope in the opmath type, as ATen's kernel converts it.
       return run<T>(
           LeakyReluGrad<Acc>{static_cast<Acc>(spec.negative_slope)}, grad_output, saved, grad_z, config);
-    case Activation::Gelu: return run<T>(GeluGrad<Acc>{}, grad_output, saved, grad_z, config);
-    case Activation::GeluTanh: return run<T>(GeluTanhGrad<Acc>{}, grad_output, saved, grad_z, config);
-    case Activation::Silu: return run<T>(SiluGrad<Acc>{}, grad_output, saved, grad_z, config);
+    // 16-bit results: the cheaper math of activation_math.cuh, whose error is far below their rounding.
+    case Activation::Gelu: return run<T>(GeluGrad<Acc, kFastMath<T>>{}, grad_output, saved, grad_z, config);
+    case Activation::GeluTanh: return run<T>(GeluTanhGrad<Acc, kFastMath<T>>{}, grad_output, saved, grad_z, config);
+    case Activation::Silu: return run<T>(SiluGrad<Acc, kFastMath<T>>{}, grad_output, saved, grad_z, config);
     case Activation::Sigmoid: return run<T>(SigmoidGrad<Acc>{}, grad_output, saved, grad_z, config);
     case Activation::Tanh: return run<T>(TanhGrad<Acc>{}, grad_output, saved, grad_z, config);
     case Activation::Identity: break;

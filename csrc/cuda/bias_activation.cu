@@ -20,7 +20,9 @@ struct AddActivation {
   Acc negative_slope;
 
   __device__ T operator()(T value, T addend) const {
-    return static_cast<T>(activation_forward<Acc>(kind, static_cast<Acc>(value) + static_cast<Acc>(addend), negative_slope));
+    // 16-bit results: the cheaper math of activation_math.cuh (this pass is arithmetic-bound for gelu / silu there).
+    return static_cast<T>(activation_forward<Acc, kFastMath<T>>(
+        kind, static_cast<Acc>(value) + static_cast<Acc>(addend), negative_slope));
   }
 };
 
