@@ -32,10 +32,10 @@ With ``--activation NAME`` (relu, gelu, silu, ...; issue 13) the layer is conv +
 ``ConvBias2d(..., activation=NAME)``, the baseline ``nn.Sequential(nn.Conv2d, activation module)``, and two more
 sides join, both under ``torch.compile`` (default mode): ``torch_compiled_step`` (Inductor fuses the bias add with
 the activation, and their backward with the bias-gradient sum: the strongest thing a user would run) and
-``ours_compiled_step``. The headline is then ``speedup_vs_compiled = torch_compiled_step / ours_step`` (targets,
-ReLU: >= 1.30 bf16, >= 1.12 tf32, >= 1.05 fp32), with ``speedup_vs_best`` against the faster nn side, and the
-CUDA-graphed figures of every side (``graphed_vs_compiled``: the GPU work alone; a compiled step measures the host
-otherwise). Results go to ``layerwise_<activation>-<gpu>.json``.
+``ours_compiled_step``. The headline is then ``graphed_vs_best``: the faster of the nn sides (eager, compiled) over
+ours, every step CUDA-graphed (GPU time, as the targets are: ReLU >= 1.30 bf16, >= 1.12 tf32, >= 1.05 fp32; a compiled
+step timed per call measures the host), with ``graphed_vs_compiled`` beside it and the per-call ratios
+``speedup_vs_compiled = torch_compiled_step / ours_step`` and ``speedup_vs_best``. Results go to ``layerwise_<activation>-<gpu>.json``.
 
 Ratios: ``speedup = torch_step / ours_step`` (targets: geomean >= 1.8 bf16, >= 1.45 tf32, >= 1.10 fp32, no shape
 below 1.0x) and ``forward_speedup = torch_forward / ours_forward``; rows also give backward + update as step -
@@ -500,7 +500,11 @@ def activation_spec(activation: str) -> harness.Spec:
             "forward_speedup": ("torch_forward", "ours_forward"),
             "forward_vs_compiled": ("torch_compiled_forward", "ours_forward"),
         },
-        headline="speedup_vs_compiled",
+        # The targets are on GPU time against the faster nn side: the CUDA-graphed steps (a compiled step per call
+        # measures the host: speedup_vs_compiled, per call, is recorded beside it).
+        headline="graphed_vs_best",
+        headline_definition="graphed_vs_best = the faster of the nn steps / ours, CUDA-graphed (GPU time)",
+        ylabel="CUDA-graphed step: faster nn side / ours",
         targets=ACTIVATION_TARGETS if activation == "relu" else {},
         row_fields=ACTIVATION_ROW_FIELDS,
         table=[
@@ -522,12 +526,14 @@ def activation_spec(activation: str) -> harness.Spec:
             **summarize_breakdown(rows),
             **harness.ratio_summary(rows, "speedup_vs_best"),
             **harness.ratio_summary(rows, "graphed_vs_compiled"),
-            **harness.ratio_summary(rows, "graphed_vs_best"),
+            **harness.ratio_summary(rows, "speedup_vs_compiled"),
         },
         describe_extra=lambda summary: (
             describe_breakdown(summary)
             + f"\n{'':>15}"
-            + harness.describe_ratio_summary(summary, "speedup_vs_best", "against the faster nn side")
+            + harness.describe_ratio_summary(summary, "speedup_vs_compiled", "per call, against compiled nn")
+            + f"\n{'':>15}"
+            + harness.describe_ratio_summary(summary, "speedup_vs_best", "per call, against the faster nn side")
             + f"\n{'':>15}"
             + harness.describe_ratio_summary(summary, "graphed_vs_compiled", "CUDA-graphed, against compiled nn")
         ),
