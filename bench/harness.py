@@ -470,6 +470,7 @@ def summarize_rows(spec: Spec, rows: Sequence[dict[str, Any]], mode: str, benchm
         "measured": len(measured),
         "missing": missing,
         **{f"geomean_{name}": geomean(r[name] for r in measured) for name in spec.ratios},
+        f"geomean_{key}": geo,  # the headline may be a row field outside spec.ratios (e.g. a CUDA-graphed ratio)
         "worst_shape": worst["label"] if worst else None,
         f"worst_{key}": worst[key] if worst else None,
         "below_1x": len(below),
