@@ -173,13 +173,17 @@ def make_problem(shape: Shape, mode: Mode, device: str, seed: int) -> Problem:
 # Measurement of one shape
 
 
-def explain(problem: Problem) -> dict[str, Any] | None:
-    """torch_convbias.explain() for ours_cl (path, engine, workspace, ...), None where the API is absent."""
+def explain(problem: Problem, activation: str = "identity") -> dict[str, Any] | None:
+    """torch_convbias.explain() for ours_cl (path, engine, workspace, with an activation where it runs, ...), None
+    where the API is absent."""
     fn = getattr(torch_convbias, "explain", None)
     if fn is None:
         return None
     try:
-        result = fn(problem.x_cl, problem.w_cl, problem.bias, problem.stride, problem.padding, problem.dilation, 1)
+        result = fn(
+            problem.x_cl, problem.w_cl, problem.bias, problem.stride, problem.padding, problem.dilation, 1,
+            activation=activation,
+        )
         return dict(result) if isinstance(result, dict) else {"value": result}
     except Exception as error:  # noqa: BLE001
         return {"error": short_error(error)}
@@ -421,6 +425,8 @@ def measure_activation(
             errors[name] = short_error(error)
     numerics = harness.check_all({n: check_against_float64(out, reference, mode) for n, out in outputs.items()})
     del outputs
+    # Which route ours took for the block (the activation in the graph's epilogue or a pass after it, and why).
+    route = explain(problem, activation) if not residual and "ours" not in errors else None
     timings = harness.time_variants(variants, errors, warmup, iters, device, called=list(variants))
     rates = harness.time_throughput(variants, errors, device)
     graphed: dict[str, Callable[[], Any]] = {}
@@ -448,6 +454,7 @@ def measure_activation(
         **{name: harness.ratio(graphed_timings, num, den) for name, (num, den) in GRAPHED_RATIOS.items()},
         "graph_error": "; ".join(f"{k}: {v}" for k, v in graph_errors.items()) or None,
         "numerics": numerics,
+        "explain": route,
     }
 
 
@@ -464,7 +471,9 @@ def forward_activation_spec(activation: str, residual: bool = False) -> harness.
         # GPU time, as the targets are: CUDA-graphed calls (per call, rows under ~0.3 ms measure the host).
         headline="graphed_vs_compiled",
         targets=ACTIVATION_TARGETS if activation == "relu" and not residual else {},
-        row_fields=("back_to_back", "vs_compiled_back_to_back", "graphed", *GRAPHED_RATIOS, "graph_error", "numerics"),
+        row_fields=(
+            "back_to_back", "vs_compiled_back_to_back", "graphed", *GRAPHED_RATIOS, "graph_error", "numerics", "explain",
+        ),
         table=[
             ("shape", "label", ""),
             ("ours", "ours", ".3f"),
