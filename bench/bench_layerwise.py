@@ -35,7 +35,8 @@ the activation, and their backward with the bias-gradient sum: the strongest thi
 ``ours_compiled_step``. The headline is then ``graphed_vs_best``: the faster of the nn sides (eager, compiled) over
 ours, every step CUDA-graphed (GPU time, as the targets are: ReLU >= 1.30 bf16, >= 1.12 tf32, >= 1.05 fp32; a compiled
 step timed per call measures the host), with ``graphed_vs_compiled`` beside it and the per-call ratios
-``speedup_vs_compiled = torch_compiled_step / ours_step`` and ``speedup_vs_best``. Results go to ``layerwise_<activation>-<gpu>.json``.
+``speedup_vs_compiled = torch_compiled_step / ours_step`` and ``speedup_vs_best``. Results go to
+``layerwise_<activation>-<gpu>.json``.
 
 Ratios: ``speedup = torch_step / ours_step`` (targets: geomean >= 1.8 bf16, >= 1.45 tf32, >= 1.10 fp32, no shape
 below 1.0x) and ``forward_speedup = torch_forward / ours_forward``; rows also give backward + update as step -

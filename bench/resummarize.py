@@ -27,14 +27,18 @@ def spec_of(path: Path) -> harness.Spec:
     if match is None or match.group(2) == "residual":
         raise SystemExit(f"resummarize: {path.name} is not a forward_<activation> or layerwise_<activation> result")
     bench, activation = match.groups()
-    return bench_forward.forward_activation_spec(activation) if bench == "forward" else bench_layerwise.activation_spec(activation)
+    if bench == "forward":
+        return bench_forward.forward_activation_spec(activation)
+    return bench_layerwise.activation_spec(activation)
 
 
 def resummarize(path: Path) -> dict[str, Any]:
     spec = spec_of(path)
     results = json.loads(path.read_text())
-    settings = sorted({(r["mode"], r["cudnn_benchmark"]) for r in results["rows"]}, key=lambda s: results["config"]["modes"].index(s[0]))
-    results["summaries"] = [harness.summarize_rows(spec, results["rows"], mode, benchmark) for mode, benchmark in settings]
+    order = results["config"]["modes"]
+    settings = sorted({(r["mode"], r["cudnn_benchmark"]) for r in results["rows"]}, key=lambda s: order.index(s[0]))
+    rows = results["rows"]
+    results["summaries"] = [harness.summarize_rows(spec, rows, mode, benchmark) for mode, benchmark in settings]
     results["summaries_recomputed"] = {"commit": common.git_commit(), "headline": spec.headline}
     common.write_json(results, None, spec.name, path)
     print(f"== {path.name} ({spec.headline_definition or spec.headline_ratio}) ==")

@@ -205,8 +205,20 @@ def test_forward_activation_block_cpu(tmp_path: Path, monkeypatch: pytest.Monkey
     expected = set(bench_forward.ACTIVATION_VARIANTS) - {"torch_cudnn_relu"}  # a CUDA op: not on --device cpu
     assert set(row["timings"]) == expected == set(row["numerics"]["checks"])
     assert row["numerics"]["passed"] and row["speedup_vs_compiled"] > 0 and row["vs_compiled_back_to_back"] > 0
+    assert row["explain"]["activation"]["name"] == "relu" and row["explain"]["path"] == "aten", row["explain"]
     (summary,) = results["summaries"]
-    assert summary["target_geomean_speedup_vs_compiled"] == bench_forward.ACTIVATION_TARGETS["fp32"]
+    # The targets are on GPU time (CUDA-graphed): on the CPU there is no graph, so no verdict, never a pass.
+    assert summary["target_geomean_graphed_vs_compiled"] == bench_forward.ACTIVATION_TARGETS["fp32"]
+    assert row["graphed_vs_compiled"] is None and summary["target_geomean_pass"] is None
+    assert summary["geomean_speedup_vs_compiled"] == pytest.approx(row["speedup_vs_compiled"])
+    # bench.resummarize recomputes the same summaries from the rows (the file's name says which spec), noting it.
+    from bench import resummarize
+
+    again = resummarize.resummarize(path)
+    assert again["summaries"] == json.loads(json.dumps(results["summaries"]))
+    assert json.loads(path.read_text())["summaries_recomputed"]["headline"] == "graphed_vs_compiled"
+    with pytest.raises(SystemExit, match="not a forward_<activation>"):
+        resummarize.spec_of(path.with_name("forward-cpu.json"))
 
 
 def test_bias_grad_bench_activation_variants_agree_on_cpu() -> None:
