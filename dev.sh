@@ -9,6 +9,7 @@
 #                    with the GPU box's torch 2.11.0+cu130 on Python 3.12) from a copy of this tree, stripped, with a
 #                    stamp; `TORCH_CONVBIAS_PREBUILT=DIR ./dev.sh ...` on that machine then skips the ~150 s build
 #                    when the stamp matches (same Python, torch, cuDNN wheel and csrc/ + setup.py), else builds
+#   ./dev.sh stamp   print this tree's build stamp; ./dev.sh use-prebuilt: only the TORCH_CONVBIAS_PREBUILT step of setup
 #   ./dev.sh gpu DIR [all|tests|bench|sanitize]
 #                    on the GPU machine: setup, then the doctor and the CUDA tests (tests), every benchmark and
 #                    the demo on cuda (bench), or both (all), or compute-sanitizer's memcheck, racecheck and synccheck
@@ -116,6 +117,9 @@ setup() {
 case "${1:-}" in
   setup) setup ;;
   prebuild) shift; prebuild "$@" ;;
+  # What prebuild stamps and setup compares (tests/test_dev_prebuilt.py drives both in a scratch tree).
+  stamp) build_stamp ;;
+  use-prebuilt) use_prebuilt ;;
   test) setup; shift; exec "$PYTHON" -m pytest tests "$@" ;;
   demo) setup; shift; exec "$PYTHON" examples/layerwise_digits.py "$@" ;;
   gpu)
@@ -194,5 +198,5 @@ case "${1:-}" in
       grep -E "^== |ERROR SUMMARY|sanitize_workload:" "$out/sanitize.log" || true
     fi
     exit $status ;;
-  *) sed -n '2,19p' "$0"; exit 2 ;;
+  *) sed -n '2,20p' "$0"; exit 2 ;;
 esac
