@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_convbias
+from ranks import run_ranks
 
 WORLD = 2
 STEPS = 3
@@ -29,19 +29,6 @@ def network() -> nn.Sequential:
         nn.ReLU(),
         nn.Conv2d(8, 4, 1),
     )
-
-
-def worker(rank: int, init_file: str, backend: str, report_dir: str) -> None:
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    report = Path(report_dir) / f"rank{rank}"
-    try:
-        check(rank, backend)
-        report.write_text("ok")
-    except BaseException as error:  # noqa: BLE001 - reported to the parent, which fails the test with it
-        report.write_text(f"{type(error).__name__}: {error}")
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def check(rank: int, backend: str) -> None:
@@ -74,34 +61,12 @@ def check(rank: int, backend: str) -> None:
         torch.testing.assert_close(gathered[0], gathered[1], rtol=0, atol=0)
 
 
-def run(backend: str, tmp_path: Path) -> None:
-    """Each rank writes its verdict before the process group is torn down; the verdicts decide. gloo's teardown
-    at process exit occasionally aborts ("terminate called without an active exception", seen once in CI with
-    torch 2.14.1, after every check had passed), which is torch's, not the model's: a rank's exit code counts
-    only when it wrote no verdict."""
-    context = mp.get_context("spawn")
-    processes = [
-        context.Process(target=worker, args=(rank, str(tmp_path / "init"), backend, str(tmp_path)))
-        for rank in range(WORLD)
-    ]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=300)
-    for rank, process in enumerate(processes):
-        if process.is_alive():
-            process.kill()
-        report = tmp_path / f"rank{rank}"
-        assert report.exists(), f"rank {rank} wrote no verdict (exit code {process.exitcode})"
-        assert report.read_text() == "ok", f"rank {rank}: {report.read_text()}"
-
-
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_ddp_gloo_cpu_matches_conv2d(tmp_path: Path) -> None:
-    run("gloo", tmp_path)
+    run_ranks(check, "gloo", tmp_path, WORLD)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < WORLD or not dist.is_nccl_available(), reason="needs two GPUs and NCCL")
 def test_ddp_nccl_matches_conv2d(tmp_path: Path) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the device machines ask for NVLink multicast off
-    run("nccl", tmp_path)
+    run_ranks(check, "nccl", tmp_path, WORLD)
