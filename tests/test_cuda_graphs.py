@@ -422,6 +422,50 @@ def test_input_on_another_gpu() -> None:
         torch.testing.assert_close(got, dy.sum((0, 2, 3)), rtol=1e-5, atol=1e-5)
 
 
+
+def one_training_call(device: str) -> dict[str, int]:
+    """conv + bias + relu forward and backward on ``device`` (strict fp32) against float64 autograd on the CPU; returns
+    the plan cache's size and hits after it."""
+    x, w, b = (t.to(device) for t in make(4, 16, 12, 12, 16, seed=7))
+    leaves = [t.detach().requires_grad_() for t in (x, w, b)]
+    out = conv_bias2d(*leaves, padding=1, activation="relu")
+    seed = torch.randn(out.shape, generator=torch.Generator().manual_seed(8)).to(device)
+    out.backward(seed)
+    assert out.device == torch.device(device) and all(t.grad.device == out.device for t in leaves)
+    ref_leaves = [t.detach().cpu().double().requires_grad_() for t in (x, w, b)]
+    expected = F.relu(F.conv2d(*ref_leaves, padding=1))
+    expected.backward(seed.cpu().double())
+    for what, got, want in zip(("output", "grad x", "grad w", "grad b"), (out, *(t.grad for t in leaves)),
+                               (expected, *(t.grad for t in ref_leaves))):
+        torch.testing.assert_close(got.detach().cpu().double(), want.detach(), rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{device} {what}: {m}")
+    info = torch_convbias.cache_info()
+    return {"size": int(info["size"]), "hits": int(info["hits"])}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_alternating_devices_keep_a_plan_per_device() -> None:
+    """Issue 15: one problem's training call on cuda:0 and cuda:1 alternately, cuda:0 current throughout: right on
+    each device every time, and the plans are per device (the cache holds each GPU's own, built with its handle,
+    stream and workspace: twice the plans of one device, then only hits)."""
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    torch_convbias.cache_clear()
+    try:
+        with torch.cuda.device(0):
+            one_device = one_training_call("cuda:0")["size"]
+            assert one_device > 0
+            both = one_training_call("cuda:1")
+            assert both["size"] == 2 * one_device, both
+            for _ in range(3):
+                for device in ("cuda:0", "cuda:1"):
+                    after = one_training_call(device)
+                    assert after["size"] == 2 * one_device and after["hits"] > both["hits"], after
+                    both = after
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+        torch_convbias.cache_clear()
+
 SCRIPT = """
 import json, torch, torch.nn.functional as F, torch_convbias
 # Strict fp32 on both sides: with TF32 the sweep may pick another TF32 engine than F.conv2d's (errors ~1e-2).
