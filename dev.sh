@@ -9,15 +9,16 @@
 #                    with the GPU box's torch 2.11.0+cu130 on Python 3.12) from a copy of this tree, stripped, with a
 #                    stamp; `TORCH_CONVBIAS_PREBUILT=DIR ./dev.sh ...` on that machine then skips the ~150 s build
 #                    when the stamp matches (same Python, torch, cuDNN wheel and csrc/ + setup.py), else builds
-#   ./dev.sh stamp   print this tree's build stamp; ./dev.sh use-prebuilt: only the TORCH_CONVBIAS_PREBUILT step of setup
+#   ./dev.sh stamp   print this tree's build stamp; ./dev.sh use-prebuilt: only the TORCH_CONVBIAS_PREBUILT step of
+#                    setup
 #   ./dev.sh gpu DIR [all|tests|bench|sanitize]
 #                    on the GPU machine: setup, then the doctor and the CUDA tests (tests), every benchmark and
 #                    the demo on cuda (bench), or both (all), or compute-sanitizer's memcheck, racecheck and synccheck
 #                    over bench/sanitize_workload.py (sanitize); logs and results into DIR (`./dev.sh gpu $OUT tests`);
 #                    BENCHES="param_grad bias_grad" picks benchmarks (forward param_grad layerwise bias_grad
-#                    overhead demo; also stress_memory, cold_start, models and the activation blocks forward_<act>
-#                    and layerwise_<act>, e.g. forward_relu layerwise_gelu, and forward_residual_<act>, not in the
-#                    default list)
+#                    overhead demo; also stress_memory, cold_start, models, ddp (WORLD GPUs, default 2) and the
+#                    activation blocks forward_<act> and layerwise_<act>, e.g. forward_relu layerwise_gelu, and
+#                    forward_residual_<act>, not in the default list)
 #
 # setup installs only what is missing: on a fresh CPU machine with PyPI, torch 2.14.1, pytest, scikit-learn,
 # cmake and the cuDNN frontend headers; on a machine that already has them (a GPU box without network, with
@@ -171,6 +172,7 @@ case "${1:-}" in
             grep -E "^(vgg11|alexnet|resnet50)" /tmp/bench_models.log ;;
           bias_grad|overhead) "$PYTHON" -m "bench.bench_$name" --out "$out" 2>&1 | tail -6 || status=1 ;;
           cold_start) "$PYTHON" -m bench.bench_cold_start --out "$out" 2>&1 | tail -14 || status=1 ;;
+          ddp) "$PYTHON" -m bench.bench_ddp --world "${WORLD:-2}" --out "$out" 2>&1 | tail -12 || status=1 ;;
           stress_memory) TORCH_CONVBIAS_CACHE_SIZE=${TORCH_CONVBIAS_CACHE_SIZE:-64} "$PYTHON" -m bench.stress_memory --out "$out" 2>&1 | tail -4 || status=1 ;;
           demo) "$PYTHON" examples/layerwise_digits.py --device cuda 2>&1 | tail -8 || status=1 ;;
           *) echo "dev.sh: unknown benchmark '$name'"; status=1 ;;
@@ -198,5 +200,5 @@ case "${1:-}" in
       grep -E "^== |ERROR SUMMARY|sanitize_workload:" "$out/sanitize.log" || true
     fi
     exit $status ;;
-  *) sed -n '2,20p' "$0"; exit 2 ;;
+  *) sed -n '2,21p' "$0"; exit 2 ;;
 esac
