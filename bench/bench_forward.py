@@ -180,9 +180,9 @@ def explain(problem: Problem, activation: str = "identity") -> dict[str, Any] | 
     if fn is None:
         return None
     try:
-        extra = {} if activation == "identity" else {"activation": activation}
         result = fn(
-            problem.x_cl, problem.w_cl, problem.bias, problem.stride, problem.padding, problem.dilation, 1, **extra
+            problem.x_cl, problem.w_cl, problem.bias, problem.stride, problem.padding, problem.dilation, 1,
+            activation=activation,
         )
         return dict(result) if isinstance(result, dict) else {"value": result}
     except Exception as error:  # noqa: BLE001

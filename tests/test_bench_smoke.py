@@ -93,7 +93,7 @@ def test_optional_api_is_recorded_and_oom_is_per_shape(tmp_path: Path, monkeypat
     monkeypatch.setattr(torch_convbias, "cache_clear", lambda: None, raising=False)
     info = {"hits": 0, "size": 0, "capacity": 8}
     monkeypatch.setattr(torch_convbias, "cache_info", lambda: {**state, **info}, raising=False)
-    monkeypatch.setattr(torch_convbias, "explain", lambda *args: {"path": "fake", "engine": 7}, raising=False)
+    monkeypatch.setattr(torch_convbias, "explain", lambda *args, **kwargs: {"path": "fake", "engine": 7}, raising=False)
     real_make_problem = bench_forward.make_problem
 
     def make_problem(shape: bench_forward.Shape, *args: Any) -> bench_forward.Problem:
@@ -169,6 +169,10 @@ def test_stress_memory_smoke(tmp_path: Path) -> None:
     # The verdict's RSS bound is real: a run whose resident memory grows past the tolerance is not bounded.
     grown = [dict(s, max_rss_mib=100.0 + 50 * i) for i, s in enumerate(results["samples"])]
     assert stress_memory.verdict(grown, 64, 64.0)["rss_bounded"] is False
+    # The last half's growth tells a leak (still growing) from memory that levelled off.
+    assert stress_memory.verdict(grown, 64, 64.0)["rss_growth_last_half_mib"] == 50.0
+    levelled = [dict(s, max_rss_mib=100.0 + 50 * min(i, 1)) for i, s in enumerate(results["samples"])]
+    assert stress_memory.verdict(levelled, 64, 64.0)["rss_growth_last_half_mib"] == 0.0
 
 
 def test_numerics_check_fails_a_forward_that_dropped_the_bias() -> None:
