@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -184,6 +185,35 @@ def channels_last_grid(values: torch.Tensor, channels: int = 64) -> torch.Tensor
     per_row = 4 * channels
     padded = torch.cat([values, values.new_zeros(-values.numel() % per_row)])
     return padded.view(-1, 2, 2, channels).permute(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_tanh"])
+def test_tail_accurate_oracles_hold_where_F_cancels(name: str) -> None:
+    """The oracle the 16-bit tests use down to the far negative tail: value and derivative within 1e-12 relative of
+    1000-digit mpmath over [-30, 8], where F's own float64 formula is off by more than 0.1% (1 + erf(x), 1 + tanh(u))."""
+    mpmath = pytest.importorskip("mpmath")
+    with mpmath.workdps(1000):  # 1 + tanh(u) at x = -30 is ~1e-857: enough digits to hold it
+        beta = mpmath.sqrt(2 / mpmath.pi)
+        exact = {
+            "gelu": lambda v: v * mpmath.ncdf(v),
+            "gelu_tanh": lambda v: v / 2 * (1 + mpmath.tanh(beta * (v + mpmath.mpf("0.044715") * v**3))),
+        }[name]
+        x = torch.linspace(-30, 8, 77, dtype=torch.float64)
+        want = torch.tensor([float(exact(mpmath.mpf(v))) for v in x.tolist()], dtype=torch.float64)
+        want_grad = torch.tensor([float(mpmath.diff(exact, mpmath.mpf(v))) for v in x.tolist()], dtype=torch.float64)
+    # Relative error where float64 holds the value (not at 0, nor where gelu_tanh's tail is below 1e-300).
+    keep = (want.abs() > 1e-300) & (want_grad.abs() > 1e-300)
+    x, want, want_grad = x[keep], want[keep], want_grad[keep]
+    assert x.min() < -8  # the far tail is in
+
+    def worst_relative_error(formula: Callable[[torch.Tensor], torch.Tensor]) -> float:
+        leaf = x.clone().requires_grad_()
+        value = formula(leaf)
+        (grad,) = torch.autograd.grad(value, [leaf], torch.ones_like(leaf))
+        return max(((got - ref).abs() / ref.abs()).max().item() for got, ref in ((value, want), (grad, want_grad)))
+
+    assert worst_relative_error(tail_accurate(name)) < 1e-12
+    assert worst_relative_error(ACTIVATIONS[name][2]) > 1e-3  # why the oracle is not F's formula
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from bench import bench_ddp
@@ -34,3 +35,11 @@ def test_ddp_bench_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):
         bench_ddp.main(["--modes", "fp64", "--device", "cpu"])
     assert "unknown mode" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="unknown shape"):
+        bench_ddp.main(["--shapes", "N1 C1 1x1 K1 k1s1p0", "--device", "cpu"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs the benchmark needs")
+def test_ddp_bench_says_it_needs_more_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_ddp.main(["--world", "2"]) == 2
+    assert f"needs 2 GPUs, this machine has {torch.cuda.device_count()}" in capsys.readouterr().out
