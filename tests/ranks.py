@@ -6,8 +6,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def rank_device(rank: int, backend: str) -> torch.device:
+    """The device a rank computes on: its own GPU under NCCL (made current), the CPU under gloo."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 def worker(

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_convbias
-from ranks import run_ranks
+from ranks import rank_device, run_ranks
 
 WORLD = 2
 STEPS = 3
@@ -33,9 +33,7 @@ def network() -> nn.Sequential:
 
 def check(rank: int, backend: str) -> None:
     """Both networks trained side by side under DDP: equal gradients every step, equal replicas after."""
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(device)
+    device = rank_device(rank, backend)
     torch.manual_seed(0)  # the same initial parameters on every rank and for both networks
     reference = network().to(device)
     ours = torch_convbias.convert(copy.deepcopy(reference))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import torch_convbias
-from ranks import run_ranks
+from ranks import rank_device, run_ranks
 
 WORLD = 2
 STEPS = 3
@@ -37,10 +37,8 @@ def check(rank: int, backend: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(device)
-        torch.backends.cudnn.allow_tf32 = False  # strict fp32 against the float64 reference
+    device = rank_device(rank, backend)
+    torch.backends.cudnn.allow_tf32 = False  # strict fp32 against the float64 reference (on CUDA)
     torch.manual_seed(0)  # the same initial parameters on every rank
     reference = network().double()
     ours = torch_convbias.convert(copy.deepcopy(reference).float()).to(device)
