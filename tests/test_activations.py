@@ -279,9 +279,20 @@ def check_output(out: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance * scale)
 
 
+# explain's name of the activation pass after a cuDNN graph that does not apply it, for 16-bit dtypes (ours, with the
+# cheaper float math) and others (ATen's kernel): activation_pass_name in csrc/cuda/bias_activation.h.
+PASS_16BIT = "our activation pass (16-bit math)"
+PASS_ATEN = "ATen's pointwise kernel"
+
+
+def pass_after_graph(info: dict) -> str:
+    """The pass explain must name after the graph, from the dtype in its problem description."""
+    return PASS_16BIT if any(f" {t}, " in info["problem"] for t in ("Half", "BFloat16")) else PASS_ATEN
+
+
 def check_consistent(info: dict, name: str, slope: float = 0.01) -> None:
     """explain's activation entry agrees with the graph it reports: the epilogue node last when fused, absent when not
-    (then ATen's pass ran it, and `why` says why)."""
+    (then a pass after the graph ran it, ours for 16-bit dtypes, ATen's otherwise, and `why` says why)."""
     act = info["activation"]
     assert act["name"] == name, info
     ops = info["graph_ops"]
@@ -293,8 +304,10 @@ def check_consistent(info: dict, name: str, slope: float = 0.01) -> None:
         assert not any(op.endswith("_FWD") or "_FWD(" in op for op in ops), info
         if info["path"] == "conv+bias_add" and not act["keeps_preactivation"]:
             assert act["how"] == ONE_PASS, act  # our bias + activation kernel after the conv graph
+        elif info["path"] == "aten" or "conv + bias plan" in act["how"]:
+            assert act["how"].startswith(PASS_ATEN) and act["why"], act  # after ATen's convolution / NCHW keeping z
         else:
-            assert "ATen" in act["how"] and act["why"], act
+            assert act["how"].startswith(f"{pass_after_graph(info)} over the cuDNN graph's output") and act["why"], act
 
 
 ONE_PASS = "one pass adding the bias and applying the activation over the conv graph's output"
@@ -412,7 +425,8 @@ def test_nchw_inputs_with_an_activation(name: str) -> None:
 @needs_cuda
 def test_a_rejected_epilogue_falls_back_to_the_graph_without_it() -> None:
     """cuDNN refusing the graph with the activation (the test hook refuses it as cuDNN would) leaves the fused
-    conv+bias graph and ATen's activation pass: the same result, and explain says which graph was refused."""
+    conv+bias graph and the activation pass after it (ours in fp16): the same result, and explain says which graph was
+    refused."""
     x, w, b = cuda_problem(4, 32, 64, 17, torch.float16, seed=6)
     try:
         torch.ops.convbias._inject_epilogue_rejections(1)
@@ -424,7 +438,7 @@ def test_a_rejected_epilogue_falls_back_to_the_graph_without_it() -> None:
     assert info["path"] == "fused" and act["fused"] is False, info
     assert info["graph_ops"] == ["CONV_FPROP", "ADD"], info
     assert "fused conv+bias+relu graph rejected" in act["why"] and "test hook" in act["why"], act
-    assert act["how"] == "ATen's pointwise kernel over the cuDNN graph's output", act
+    assert act["how"] == f"{PASS_16BIT} over the cuDNN graph's output", act
     check_output(out, reference(x, w, b, "relu", 0.01))
 
 
@@ -672,7 +686,7 @@ for i, name in enumerate(["relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "si
         check_output(out, reference(x, w, b, name, 0.2))
         assert out.is_contiguous(memory_format=torch.channels_last)
         rows[f"{name}-{dtype}"] = torch_convbias.explain(x, w, b, padding=1, activation=name, negative_slope=0.2)
-# The pre-activation kept (autograd's gelu): ATen's bias add, then the activation out of place.
+# The pre-activation kept (autograd's gelu): ATen's bias add, then our 16-bit activation pass out of place.
 x, w, b = cuda_problem(2, 16, 24, 12, torch.float16, seed=60)
 out, z = torch.ops.convbias._forward_with_preactivation(x, w, b, [1, 1], [1, 1], [1, 1], 1, "gelu", 0.01)
 check_output(z, reference(x, w, b, "identity", 0.01))
@@ -682,8 +696,8 @@ print(json.dumps(rows))
 """
 
 
-ONE_PASS_EVERY_VALUE_SCRIPT = """
-import json, sys, torch
+EVERY_VALUE_SCRIPT = """
+import json, os, sys, torch
 sys.path.insert(0, "tests")
 from conftest import assert_within_one_ulp, every_value, tail_accurate
 from test_activations import REFERENCE
@@ -696,34 +710,57 @@ for dtype in (torch.float16, torch.bfloat16):
     x = values.view(-1, 2, 2, 64).permute(0, 3, 1, 2).cuda()
     w = torch.eye(64, dtype=dtype, device="cuda").view(64, 64, 1, 1).contiguous(memory_format=torch.channels_last)
     b = torch.zeros(64, dtype=dtype, device="cuda")
+    # KEEP=1: a weight needing its gradient, so that autograd's forward keeps the pre-activation where the
+    # derivative needs it (gelu, gelu_tanh, silu) and the pass runs out of place over it.
+    keep = os.environ["KEEP"] == "1"
+    w.requires_grad_(keep)
     for name in ("gelu", "gelu_tanh", "silu", "sigmoid"):
         out = torch_convbias.conv_bias2d(x, w, b, activation=name)
         formula = tail_accurate(name) or (lambda t: REFERENCE[name](t, 0.01))
         want = formula(x.cpu().double())
         assert_within_one_ulp(out, want, f"{name} {dtype}", max_mismatch=5e-3)
-        rows[f"{name}-{dtype}"] = torch_convbias.explain(x, w, b, activation=name)
+        rows[f"{name}-{dtype}"] = torch_convbias.explain(x, w, b, activation=name, for_backward=keep)
 print(json.dumps(rows))
 """
 
+# Routes that run a 16-bit activation pass of ours: (knobs, the path explain must report, its activation `how`).
+EVERY_VALUE_ROUTES = {
+    # The conv graph, then one pass adding the bias and applying the activation.
+    "one_pass": ({"TORCH_CONVBIAS_PATH": "unfused", "KEEP": "0"}, "conv+bias_add", ONE_PASS),
+    # The fused conv+bias graph, then the activation pass in place.
+    "after_graph": ({"TORCH_CONVBIAS_ACTIVATION": "unfused", "KEEP": "0"}, "fused",
+                    f"{PASS_16BIT} over the cuDNN graph's output"),
+    # The fused conv+bias graph writing the pre-activation, then the activation pass out of place (autograd's).
+    "after_graph_kept": ({"TORCH_CONVBIAS_ACTIVATION": "unfused", "KEEP": "1"}, "fused",
+                         f"{PASS_16BIT} over the cuDNN graph's output"),
+}
+
 
 @needs_cuda
-def test_one_pass_16bit_activation_within_one_ulp_of_every_value() -> None:
-    """float16 / bfloat16: the one bias + activation pass computes gelu, gelu_tanh, silu and sigmoid with cheaper float
-    math (csrc/cuda/activation_math.cuh); over every value of the dtype in [-16, 16] (through an identity 1x1
-    convolution, TORCH_CONVBIAS_PATH=unfused) the output is within one ulp of float64's and is its correct rounding in
-    all but a few per thousand values."""
-    result = run_with_knobs(ONE_PASS_EVERY_VALUE_SCRIPT, TORCH_CONVBIAS_PATH="unfused")
+@pytest.mark.parametrize("route", list(EVERY_VALUE_ROUTES))
+def test_16bit_activation_pass_within_one_ulp_of_every_value(route: str) -> None:
+    """float16 / bfloat16: our activation passes (one bias + activation pass after the conv graph; the pass after the
+    fused conv+bias graph, in place or out of place over a kept pre-activation) compute gelu, gelu_tanh, silu and
+    sigmoid with cheaper float math (csrc/cuda/activation_math.cuh); over every value of the dtype in [-16, 16]
+    (through an identity 1x1 convolution) the output is within one ulp of float64's and is its correct rounding in all
+    but a few per thousand values; explain names the route that ran."""
+    knobs, path, how = EVERY_VALUE_ROUTES[route]
+    result = run_with_knobs(EVERY_VALUE_SCRIPT, **knobs)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(rows) == 8, rows.keys()
     for row, info in rows.items():
-        assert info["path"] == "conv+bias_add" and info["activation"]["how"] == ONE_PASS, (row, info)
+        act = info["activation"]
+        assert info["path"] == path and act["fused"] is False and act["how"].startswith(how), (row, info)
+        kept = knobs["KEEP"] == "1" and not row.startswith("sigmoid")  # sigmoid's derivative needs the output only
+        assert act["keeps_preactivation"] is kept and ("both kept" in act["how"]) is kept, (row, info)
 
 
 @needs_cuda
 def test_conv_graph_then_one_bias_activation_pass() -> None:
     """TORCH_CONVBIAS_PATH=unfused: the conv graph, then one pass of ours adding the bias and applying the activation
     (what Inductor runs after nn.Conv2d's convolution), right for every activation and dtype, explain saying so; with
-    the pre-activation kept, ATen's bias add and the activation out of place."""
+    the pre-activation kept, ATen's bias add and the activation out of place (our pass: float16)."""
     result = run_with_knobs(ONE_PASS_SCRIPT, TORCH_CONVBIAS_PATH="unfused")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(result.stdout.strip().splitlines()[-1])
@@ -733,4 +770,5 @@ def test_conv_graph_then_one_bias_activation_pass() -> None:
         assert info["activation"]["fused"] is False and info["activation"]["how"] == ONE_PASS, (row, info)
         check_consistent(info, info["activation"]["name"], 0.2)
     assert keeps["path"] == "conv+bias_add" and keeps["activation"]["keeps_preactivation"] is True, keeps
-    assert "ATen" in keeps["activation"]["how"], keeps
+    assert keeps["activation"]["how"] == (
+        f"{PASS_16BIT} over the cuDNN graph's output, out of place over the pre-activation (both kept)"), keeps

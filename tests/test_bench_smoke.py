@@ -155,6 +155,33 @@ def test_bias_grad_bench_says_it_needs_a_gpu(capsys: pytest.CaptureFixture[str])
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message given without a GPU")
+def test_activation_pass_bench_says_it_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import bench_activation_pass
+
+    assert bench_activation_pass.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_activation_pass_bench_sizes_and_summary() -> None:
+    """bench_activation_pass measures only the suite's outputs of at least --min-mib in the dtype (each once), and its
+    summary takes the geomean and the smallest ratio per dtype and activation."""
+    from bench import bench_activation_pass, harness
+
+    big = list(bench_activation_pass.large_outputs(128 << 20, torch.bfloat16))
+    assert big and len(set(big)) == len(big)
+    assert all(n * k * h * w * 2 >= 128 << 20 for n, k, h, w in big)
+    every = {(s.n, s.k, *s.out_hw) for s in harness.SUITE}
+    assert set(big) < every and set(bench_activation_pass.large_outputs(0, torch.bfloat16)) == every
+    # float32 doubles the bytes: every bf16 row is a float32 row too
+    assert set(big) <= set(bench_activation_pass.large_outputs(128 << 20, torch.float32))
+    rows = [{"dtype": "bf16", "activation": "gelu", "graph_over_aten": g, "graph_vs_copy": c, "aten_vs_copy": a}
+            for g, c, a in ((1.2, 0.9, 0.75), (1.5, 1.0, 0.6))]
+    (summary,) = bench_activation_pass.summarize_rows(rows)
+    assert summary["shapes"] == 2 and summary["min_graph_over_aten"] == 1.2 and summary["min_aten_vs_copy"] == 0.6
+    assert summary["geomean_graph_over_aten"] == pytest.approx((1.2 * 1.5) ** 0.5)
+
+
 def test_stress_memory_smoke(tmp_path: Path) -> None:
     """bench/stress_memory.py on the CPU: samples at the requested interval, a verdict, the JSON written."""
     from bench import stress_memory

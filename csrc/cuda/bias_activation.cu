@@ -3,12 +3,15 @@
 #include "cuda/bias_activation.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/Functions.h>
 #include <ATen/OpMathType.h>
 #include <ATen/TensorIterator.h>
 #include <ATen/native/cuda/Loops.cuh>
 #include <c10/cuda/CUDAGuard.h>
 
+#include "activation.h"
 #include "cuda/activation_math.cuh"
+#include "reference.h"
 
 namespace convbias::cuda {
 namespace {
@@ -25,6 +28,35 @@ struct AddActivation {
         kind, static_cast<Acc>(value) + static_cast<Acc>(addend), negative_slope));
   }
 };
+
+// act(value): AddActivation without the addend.
+template <typename T>
+struct Activate {
+  using Acc = at::opmath_type<T>;
+  Activation kind;
+  Acc negative_slope;
+
+  __device__ T operator()(T value) const {
+    return static_cast<T>(activation_forward<Acc, kFastMath<T>>(kind, static_cast<Acc>(value), negative_slope));
+  }
+};
+
+bool is_16bit(at::ScalarType dtype) {
+  return dtype == at::kHalf || dtype == at::kBFloat16;
+}
+
+// out = act(in) by Activate, 16-bit tensors only (out may be in).
+void activate(at::Tensor& out, const at::Tensor& in, const ActivationSpec& activation) {
+  TORCH_INTERNAL_ASSERT(in.is_cuda() && is_16bit(in.scalar_type()) && out.scalar_type() == in.scalar_type());
+  if (in.numel() == 0) {
+    return;
+  }
+  const c10::cuda::CUDAGuard device_guard(in.device());
+  at::TensorIterator iter = at::TensorIterator::unary_op(out, in);
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(in.scalar_type(), "convbias_activation", [&] {
+    at::native::gpu_kernel(iter, Activate<scalar_t>{activation.kind, static_cast<float>(activation.negative_slope)});
+  });
+}
 
 } // namespace
 
@@ -47,6 +79,27 @@ at::Tensor& bias_activation_(at::Tensor& y, const at::Tensor& bias, const Activa
   TORCH_INTERNAL_ASSERT(y.dim() == 4 && bias.dim() == 1 && bias.size(0) == y.size(1));
   const at::Tensor bias_view = bias.view({1, -1, 1, 1}); // broadcast along N, H, W
   return add_activation_(y, bias_view, activation);
+}
+
+at::Tensor& activation_after_graph_(at::Tensor& y, const ActivationSpec& activation) {
+  if (activation.is_identity() || !is_16bit(y.scalar_type())) {
+    return apply_activation_(y, activation);
+  }
+  activate(y, y, activation);
+  return y;
+}
+
+at::Tensor activation_after_graph(const at::Tensor& z, const ActivationSpec& activation, at::MemoryFormat format) {
+  if (activation.is_identity() || !is_16bit(z.scalar_type())) {
+    return activation_after_preactivation(z, activation, format);
+  }
+  at::Tensor out = at::empty(z.sizes(), z.options().memory_format(format));
+  activate(out, z, activation);
+  return out;
+}
+
+const char* activation_pass_name(at::ScalarType dtype) {
+  return is_16bit(dtype) ? "our activation pass (16-bit math)" : "ATen's pointwise kernel";
 }
 
 } // namespace convbias::cuda

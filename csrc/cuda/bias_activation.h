@@ -18,4 +18,16 @@ at::Tensor& add_activation_(at::Tensor& y, const at::Tensor& addend, const Activ
 // add_activation_ of the bias [K] of a [N, K, H, W] output, broadcast along N, H and W.
 at::Tensor& bias_activation_(at::Tensor& y, const at::Tensor& bias, const ActivationSpec& activation);
 
+// The activation pass after a cuDNN graph that did not apply it (the fused conv+bias graph, or one writing only the
+// pre-activation z). float16 / bfloat16: a pass of ours with add_activation_'s math (the cheaper float math of
+// activation_math.cuh, within one ulp: ATen's erff-based 16-bit GELU pass is arithmetic-bound on the H200); float and
+// double: ATen's own kernel, so that those results stay exactly ATen's.
+// In place over y (any layout):
+at::Tensor& activation_after_graph_(at::Tensor& y, const ActivationSpec& activation);
+// Out of place over z, into a new tensor with the strides of `format` (z is kept: the derivative needs it):
+at::Tensor activation_after_graph(const at::Tensor& z, const ActivationSpec& activation, at::MemoryFormat format);
+
+// What explain() calls that pass for `dtype`.
+const char* activation_pass_name(at::ScalarType dtype);
+
 } // namespace convbias::cuda

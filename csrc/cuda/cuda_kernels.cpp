@@ -140,6 +140,16 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> activation_backward_cuda(
   return cuda::activation_backward(grad_output, saved, spec, bias_grad);
 }
 
+at::Tensor activation_pass_cuda(const at::Tensor& z, c10::string_view activation, double negative_slope, c10::string_view way) {
+  const ActivationSpec spec = parse_activation("convbias._activation_pass", activation, negative_slope);
+  TORCH_CHECK_VALUE(
+      way == "graph" || way == "aten", "convbias._activation_pass: expected `way` to be 'graph' or 'aten', got '",
+      std::string(way), "'");
+  const at::MemoryFormat format = z.suggest_memory_format();
+  const c10::cuda::CUDAGuard device_guard(z.device());
+  return way == "graph" ? cuda::activation_after_graph(z, spec, format) : activation_after_preactivation(z, spec, format);
+}
+
 } // namespace
 
 TORCH_LIBRARY_IMPL(convbias, CUDA, m) {
@@ -149,6 +159,7 @@ TORCH_LIBRARY_IMPL(convbias, CUDA, m) {
   m.impl("param_grad", &param_grad_cuda);
   m.impl("_activation_backward", &activation_backward_cuda);
   m.impl("_bias_grad", &cuda::bias_grad_with);
+  m.impl("_activation_pass", &activation_pass_cuda);
 }
 
 } // namespace convbias

@@ -10,6 +10,7 @@
 #include "activation.h"
 #include "conv_args.h"
 #include "cuda/activation_backward.h"
+#include "cuda/bias_activation.h"
 #include "cuda/forward_setup.h"
 #include "cuda/bias_grad.h"
 #include "cuda/bias_reduction.h"
@@ -95,13 +96,13 @@ Json bias_grad_json(const at::Tensor& grad_output) {
   return bias_grad;
 }
 
-// Where the activation runs: fused (the graph's last node) or ATen's pass after the graph or after ATen's
-// convolution, and why (`plan` null: ATen before any graph, for `aten_reason`). `keeps`: the call keeps the
+// Where the activation runs: fused (the graph's last node), or a pass after the graph (ours for 16-bit dtypes,
+// ATen's otherwise: activation_pass_name) or after ATen's convolution, and why (`plan` null: ATen before any graph, for `aten_reason`). `keeps`: the call keeps the
 // pre-activation (explain's for_backward, the autograd's _forward_with_preactivation); `after`: the plan is conv +
 // bias alone and the activation runs after it (an NCHW problem keeping the pre-activation).
 Json activation_json(
-    const ActivationSpec& spec, const cuda::FpropPlan* plan, const std::string& aten_reason, bool keeps = false,
-    bool after = false) {
+    const ActivationSpec& spec, at::ScalarType dtype, const cuda::FpropPlan* plan, const std::string& aten_reason,
+    bool keeps = false, bool after = false) {
   const bool fused = plan != nullptr && plan->activation_fused && !after;
   Json j{
       {"name", activation_name(spec.kind)},
@@ -135,7 +136,7 @@ Json activation_json(
     j["how"] = "one pass adding the bias and applying the activation over the conv graph's output";
     j["why"] = plan->activation_why.empty() ? "the graph without the activation was chosen" : plan->activation_why;
   } else {
-    j["how"] = "ATen's pointwise kernel over the cuDNN graph's output" + kept;
+    j["how"] = std::string(cuda::activation_pass_name(dtype)) + " over the cuDNN graph's output" + kept;
     j["why"] = plan->activation_why.empty() ? "the graph without the activation was chosen" : plan->activation_why;
   }
   return j;
@@ -231,7 +232,7 @@ std::string explain_cuda(
   if (route.aten_reason) {
     out["path"] = "aten";
     out["notes"] = Json::array({*route.aten_reason});
-    out["activation"] = activation_json(spec, nullptr, *route.aten_reason, keeps);
+    out["activation"] = activation_json(spec, input.scalar_type(), nullptr, *route.aten_reason, keeps);
     return out.dump();
   }
   const cuda::PreparedForward& prepared = *route.prepared;
@@ -256,7 +257,7 @@ std::string explain_cuda(
       {"graph_ops", plan->graph_ops},
       // The tensors the graph writes: "output", and "preactivation" when the epilogue graph keeps it.
       {"graph_outputs", graph_outputs_json(*plan)},
-      {"activation", activation_json(spec, plan.get(), "", keeps, route.activation_after)},
+      {"activation", activation_json(spec, prepared.problem.dtype, plan.get(), "", keeps, route.activation_after)},
       {"notes", plan->notes}});
   if (plan->path != cuda::FpropPath::Aten) {
     out["engine"] = engine_json(plan->engine);

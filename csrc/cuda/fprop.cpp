@@ -229,12 +229,12 @@ std::pair<at::Tensor, at::Tensor> run_plan(
     return {y, z}; // z undefined unless the problem keeps it
   }
   if (problem.keep_preactivation) {
-    // The graph wrote z; ATen's activation over it, out of place.
+    // The graph wrote z; the activation over it, out of place.
     const auto format = problem.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
-    at::Tensor out = activation_after_preactivation(y, problem.activation, format);
+    at::Tensor out = activation_after_graph(y, problem.activation, format);
     return {std::move(out), std::move(y)};
   }
-  apply_activation_(y, problem.activation); // ATen's pass over the graph's output (nothing for identity)
+  activation_after_graph_(y, problem.activation); // the activation pass over the graph's output (none for identity)
   return {y, at::Tensor()};
 }
 
@@ -280,8 +280,8 @@ void choose_graph_without_epilogue(
   };
   // Time both complete paths on these tensors: fused graph vs conv graph + bias add (when their workspace can be
   // allocated: else the fused graph is taken unmeasured), each with the activation as run_plan applies it after that
-  // graph: ATen's pass after the fused graph, one bias + activation pass after the conv graph (the pre-activation
-  // kept: ATen's bias add, then the activation out of place, after either).
+  // graph: the activation pass after the fused graph, one bias + activation pass after the conv graph (the
+  // pre-activation kept: ATen's bias add, then the activation out of place, after either).
   const at::Tensor workspace = fused_ok && unfused_ok
       ? try_workspace(std::max(fused->engine.workspace_bytes, unfused->engine.workspace_bytes), x.options())
       : at::Tensor();
@@ -294,9 +294,9 @@ void choose_graph_without_epilogue(
     at::Tensor out = y; // the activation's result: y itself, or a new tensor when the pre-activation is kept
     auto activation_after = [&] {
       if (p.keep_preactivation) {
-        out = activation_after_preactivation(y, p.activation, format);
+        out = activation_after_graph(y, p.activation, format);
       } else {
-        apply_activation_(out, p.activation);
+        activation_after_graph_(out, p.activation);
       }
     };
     plan.fused_ms = time_on_stream([&] {
@@ -380,7 +380,7 @@ std::optional<GraphAttempt> attempt_epilogue(
 
 // The graph path for the problem in its own layout. With an activation: the graph with it in the epilogue where
 // that builds and runs (when choices are timed, where it also measures faster than the graph without it followed by
-// ATen's activation pass), else the path without it (choose_graph_without_epilogue) and ATen's pass. Under
+// an activation pass), else the path without it (choose_graph_without_epilogue) and that pass. Under
 // exhaustive tuning ATen's own route (convolution, bias add, activation) is measured against the result.
 std::shared_ptr<FpropPlan> build_graph_path(
     const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
@@ -436,7 +436,9 @@ std::shared_ptr<FpropPlan> build_graph_path(
             << (plan->path == FpropPath::Fused ? "fused conv+bias graph"
                     : plan->path == FpropPath::Conv ? "conv graph"
                                                     : "conv graph + bias add")
-            << " + ATen's activation";
+            << (plan->path == FpropPath::ConvThenBiasAdd && !p.keep_preactivation
+                    ? " + one bias and activation pass"
+                    : std::string(" + ") + activation_pass_name(p.dtype));
     if (plan->epilogue_ms <= plan->separate_activation_ms) {
       plan->notes.clear(); // what the route without the epilogue rejected no longer applies
       take_epilogue("the " + epilogue_name + " measured faster: " + timings.str());

@@ -1,5 +1,5 @@
 // The fused conv+bias(+activation) forward on cuDNN graphs: which path a problem takes (fused graph, conv-only graph
-// plus a bias add, or ATen; the activation in the graph's epilogue or as ATen's pass after it), the cached plan for
+// plus a bias add, or ATen; the activation in the graph's epilogue or as a pass after it), the cached plan for
 // it, and running it.
 #pragma once
 
@@ -38,7 +38,7 @@ struct FpropProblem {
   ActivationSpec activation;
   // The pre-activation z = conv + bias is an output too (convbias::_forward_with_preactivation, for the backward of
   // an activation whose derivative needs it). The epilogue graph then writes both z and act(z), one graph; without
-  // the epilogue the graph writes z and ATen's activation runs out of place. Only with an activation.
+  // the epilogue the graph writes z and the activation pass runs out of place. Only with an activation.
   bool keep_preactivation = false;
   // convbias::forward_residual: a residual of y's shape (packed like y) is added before the activation. Its plan is
   // the graph conv -> [bias ADD] -> residual ADD -> [activation] where that runs (FpropPlan::residual_fused), else
@@ -67,7 +67,7 @@ struct FpropPlan {
   std::vector<std::string> notes; // why this path: what was rejected and why
   std::vector<std::string> graph_ops; // the graph's operations (graph_operations), e.g. CONV_FPROP, ADD, RELU_FWD
 
-  // The activation (not identity): in the graph's epilogue, or ATen's pass over the graph's (or ATen's) output.
+  // The activation (not identity): in the graph's epilogue, or a pass over the graph's (activation_after_graph_) or ATen's output.
   bool activation_fused = false;
   std::string activation_why; // why it is (not) in the graph: the knob, cuDNN's refusal, or the timings
   // Measured (timed choices): the graph with the epilogue in it ... against the graph without it followed by ATen's
@@ -104,7 +104,7 @@ std::shared_ptr<const FpropPlan> fprop_plan(
 // (act(z), z) for z = conv(x, w) + b by `plan` for a keep_preactivation problem, on the current stream, in the
 // problem's layout, two new tensors: one graph writing both where the plan has the epilogue (the activation then
 // may read the FP32 z, so 16-bit outputs may differ from act(z rounded) by one rounding), else the graph writing z and
-// ATen's activation out of place. Not for the ATen path.
+// the activation pass out of place (activation_after_graph). Not for the ATen path.
 std::pair<at::Tensor, at::Tensor> run_fprop_with_preactivation(
     const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
     const std::optional<at::Tensor>& b);

@@ -11,7 +11,8 @@ struct Knobs {
   bool allow_runtime_compiled; // TORCH_CONVBIAS_NO_RUNTIME_COMPILATION=1 excludes NVRTC engines
   std::string path; // TORCH_CONVBIAS_PATH: auto | fused | unfused | aten
   // TORCH_CONVBIAS_ACTIVATION: auto (the activation in the graph's epilogue where it builds; when choices are timed,
-  // only where measured faster) | fused (the epilogue graph or an error) | unfused (ATen's pass after the graph)
+  // only where measured faster) | fused (the epilogue graph or an error) | unfused (a pass after the graph:
+  // activation_after_graph_)
   std::string activation;
   std::string autotune; // TORCH_CONVBIAS_AUTOTUNE: auto (follow cudnn.benchmark) | off | quick | on (math_flags.h)
   std::string param_grad; // TORCH_CONVBIAS_PARAM_GRAD: cudnn (conv_wgrad graph, default) | aten
