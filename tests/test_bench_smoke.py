@@ -163,6 +163,14 @@ def test_activation_pass_bench_says_it_needs_a_gpu(capsys: pytest.CaptureFixture
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message given without a GPU")
+def test_dgrad_epilogue_probe_says_it_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import probe_dgrad_epilogue
+
+    assert probe_dgrad_epilogue.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
 def test_activation_pass_bench_sizes_and_summary() -> None:
     """bench_activation_pass measures only the suite's outputs of at least --min-mib in the dtype (each once), and its
     summary takes the geomean and the smallest ratio per dtype and activation."""
