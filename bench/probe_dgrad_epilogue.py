@@ -24,7 +24,9 @@ frontend headers (``CUDNN_FRONTEND_INCLUDE_DIR`` or the ``nvidia-cudnn-frontend`
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -83,10 +85,16 @@ def load_probe() -> Any:
     )
 
 
+def say(*parts: object) -> None:
+    """Progress on stderr, flushed: a crash inside cuDNN leaves the last step it reached."""
+    print("probe:", *parts, file=sys.stderr, flush=True)
+
+
 def best_plan(probe: Any, pid: int, run: Callable[[int], None], tries: int = 5) -> tuple[int | None, list[dict]]:
     """Each built plan of probe `pid` run once (a failure recorded), then timed: the fastest plan's index."""
     timings = []
     for index in probe.built_plans(pid):
+        say("running plan", index)
         try:
             run(index)
             torch.cuda.synchronize()
@@ -135,13 +143,12 @@ def measure_row(probe: Any, shape: tuple[int, ...], mode: str, args: argparse.Na
     db = torch.empty(1, c, 1, 1, device="cuda", dtype=torch.float32)
     for variant, name in ((0, "graph_dgrad"), (1, "epilogue"), (2, "epilogue_reduce")):
         start = time.perf_counter()
+        say(row["label"], mode, "building", name)
         try:
             pid, info = probe.build(dy, weight, y, stride, pad, variant, tf32)
         except Exception as error:  # noqa: BLE001 - recorded per graph
             row["errors"][name] = short_error(error)
             continue
-        import json
-
         info = json.loads(info)
         info["build_seconds"] = time.perf_counter() - start
         row["graphs"][name] = info
@@ -212,7 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch_convbias  # noqa: F401 - registers torch.ops.convbias
 
     begin = time.perf_counter()
+    say("compiling")
     probe = load_probe()
+    say("compiled in", round(time.perf_counter() - begin, 1), "s")
     compiled = time.perf_counter() - begin
     rows = []
     shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES

@@ -65,8 +65,9 @@ TORCH_LIBRARY(convbias, m) {
       "bool bias_grad) -> str");
   // The bias gradient one way by name ("kernel": ours; "aten": ATen's sum), for benchmarks and tests (CUDA only).
   m.def("_bias_grad(Tensor grad_output, str way) -> Tensor");
-  // act(z) out of place (z's layout) by the pass run after a cuDNN graph ("graph": activation_after_graph) or by
-  // ATen's kernel ("aten"), for benchmarks and tests (CUDA only).
+  // act(z) out of place (z's layout) by the pass run after a cuDNN graph ("graph": activation_after_graph), by ATen's
+  // kernel ("aten"), or by our 16-bit pass with the cheaper math ("fast") or ATen's formulas ("exact"), for
+  // benchmarks and tests (CUDA only).
   m.def("_activation_pass(Tensor z, str activation, float negative_slope, str way) -> Tensor");
   m.def("_plan_cache_stats() -> str", &convbias::plan_cache_stats);
   m.def("_plan_cache_clear() -> ()", &convbias::plan_cache_clear);

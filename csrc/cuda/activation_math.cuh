@@ -157,4 +157,23 @@ __device__ inline Acc activation_forward(Activation kind, Acc x, Acc negative_sl
   return x;
 }
 
+// Calls f(std::integral_constant<Activation, kind>{}): kernels get the activation as a template argument, so that each
+// is compiled for one activation alone. With the kind a runtime value inside the kernel, every activation's code sat in
+// one kernel and its registers cost the simple ones too (our relu pass measured at 0.93 of ATen's on the H200).
+template <typename F>
+decltype(auto) with_activation_kind(Activation kind, F&& f) {
+  using A = Activation;
+  switch (kind) {
+    case A::Relu: return f(std::integral_constant<A, A::Relu>{});
+    case A::LeakyRelu: return f(std::integral_constant<A, A::LeakyRelu>{});
+    case A::Gelu: return f(std::integral_constant<A, A::Gelu>{});
+    case A::GeluTanh: return f(std::integral_constant<A, A::GeluTanh>{});
+    case A::Silu: return f(std::integral_constant<A, A::Silu>{});
+    case A::Sigmoid: return f(std::integral_constant<A, A::Sigmoid>{});
+    case A::Tanh: return f(std::integral_constant<A, A::Tanh>{});
+    case A::Identity: break;
+  }
+  return f(std::integral_constant<A, A::Identity>{});
+}
+
 } // namespace convbias::cuda

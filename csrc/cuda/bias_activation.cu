@@ -16,28 +16,26 @@
 namespace convbias::cuda {
 namespace {
 
-template <typename T>
+// One kernel per activation (kKind a template argument: with_activation_kind).
+template <typename T, Activation kKind>
 struct AddActivation {
   using Acc = at::opmath_type<T>;
-  Activation kind;
   Acc negative_slope;
 
   __device__ T operator()(T value, T addend) const {
     // 16-bit results: the cheaper math of activation_math.cuh (this pass is arithmetic-bound for gelu / silu there).
     return static_cast<T>(activation_forward<Acc, kFastMath<T>>(
-        kind, static_cast<Acc>(value) + static_cast<Acc>(addend), negative_slope));
+        kKind, static_cast<Acc>(value) + static_cast<Acc>(addend), negative_slope));
   }
 };
 
-// act(value): AddActivation without the addend.
-template <typename T>
+// act(value) of a 16-bit value: AddActivation without the addend, the cheaper float math or ATen's formulas (kFast).
+template <typename T, Activation kKind, bool kFast>
 struct Activate {
-  using Acc = at::opmath_type<T>;
-  Activation kind;
-  Acc negative_slope;
+  float negative_slope;
 
   __device__ T operator()(T value) const {
-    return static_cast<T>(activation_forward<Acc, kFastMath<T>>(kind, static_cast<Acc>(value), negative_slope));
+    return static_cast<T>(activation_forward<float, kFast>(kKind, static_cast<float>(value), negative_slope));
   }
 };
 
@@ -45,20 +43,33 @@ bool is_16bit(at::ScalarType dtype) {
   return dtype == at::kHalf || dtype == at::kBFloat16;
 }
 
-// out = act(in) by Activate, 16-bit tensors only (out may be in).
-void activate(at::Tensor& out, const at::Tensor& in, const ActivationSpec& activation) {
-  TORCH_INTERNAL_ASSERT(in.is_cuda() && is_16bit(in.scalar_type()) && out.scalar_type() == in.scalar_type());
-  if (in.numel() == 0) {
+} // namespace
+
+void activation_16bit(at::Tensor& out, const at::Tensor& in, const ActivationSpec& activation, bool fast) {
+  TORCH_CHECK(
+      in.is_cuda() && is_16bit(in.scalar_type()) && out.scalar_type() == in.scalar_type(),
+      "convbias: our activation pass takes float16 / bfloat16 CUDA tensors, got ", in.scalar_type(), " on ",
+      in.device());
+  if (in.numel() == 0 || activation.is_identity()) {
+    if (!out.is_same(in)) {
+      out.copy_(in);
+    }
     return;
   }
   const c10::cuda::CUDAGuard device_guard(in.device());
   at::TensorIterator iter = at::TensorIterator::unary_op(out, in);
+  const float slope = static_cast<float>(activation.negative_slope);
   AT_DISPATCH_REDUCED_FLOATING_TYPES(in.scalar_type(), "convbias_activation", [&] {
-    at::native::gpu_kernel(iter, Activate<scalar_t>{activation.kind, static_cast<float>(activation.negative_slope)});
+    with_activation_kind(activation.kind, [&](auto kind) {
+      constexpr Activation kKind = decltype(kind)::value;
+      if (fast) {
+        at::native::gpu_kernel(iter, Activate<scalar_t, kKind, true>{slope});
+      } else {
+        at::native::gpu_kernel(iter, Activate<scalar_t, kKind, false>{slope});
+      }
+    });
   });
 }
-
-} // namespace
 
 at::Tensor& add_activation_(at::Tensor& y, const at::Tensor& addend, const ActivationSpec& activation) {
   TORCH_INTERNAL_ASSERT(y.is_cuda() && addend.device() == y.device() && addend.scalar_type() == y.scalar_type());
@@ -69,8 +80,10 @@ at::Tensor& add_activation_(at::Tensor& y, const at::Tensor& addend, const Activ
   at::TensorIterator iter = at::TensorIterator::borrowing_binary_op(y, y, addend);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "convbias_add_activation", [&] {
     using Acc = at::opmath_type<scalar_t>;
-    at::native::gpu_kernel(
-        iter, AddActivation<scalar_t>{activation.kind, static_cast<Acc>(activation.negative_slope)});
+    with_activation_kind(activation.kind, [&](auto kind) {
+      constexpr Activation kKind = decltype(kind)::value;
+      at::native::gpu_kernel(iter, AddActivation<scalar_t, kKind>{static_cast<Acc>(activation.negative_slope)});
+    });
   });
   return y;
 }
@@ -85,7 +98,7 @@ at::Tensor& activation_after_graph_(at::Tensor& y, const ActivationSpec& activat
   if (activation.is_identity() || !is_16bit(y.scalar_type())) {
     return apply_activation_(y, activation);
   }
-  activate(y, y, activation);
+  activation_16bit(y, y, activation, /*fast=*/true);
   return y;
 }
 
@@ -94,7 +107,7 @@ at::Tensor activation_after_graph(const at::Tensor& z, const ActivationSpec& act
     return activation_after_preactivation(z, activation, format);
   }
   at::Tensor out = at::empty(z.sizes(), z.options().memory_format(format));
-  activate(out, z, activation);
+  activation_16bit(out, z, activation, /*fast=*/true);
   return out;
 }
 

@@ -27,6 +27,11 @@ at::Tensor& activation_after_graph_(at::Tensor& y, const ActivationSpec& activat
 // Out of place over z, into a new tensor with the strides of `format` (z is kept: the derivative needs it):
 at::Tensor activation_after_graph(const at::Tensor& z, const ActivationSpec& activation, at::MemoryFormat format);
 
+// out = act(in) by our pass (float16 / bfloat16 CUDA tensors; out may be in, any layouts): one kernel per activation,
+// with the cheaper float math (fast, as activation_after_graph runs it) or ATen's formulas in float. For comparisons
+// (convbias::_activation_pass).
+void activation_16bit(at::Tensor& out, const at::Tensor& in, const ActivationSpec& activation, bool fast);
+
 // What explain() calls that pass for `dtype`.
 const char* activation_pass_name(at::ScalarType dtype);
 

@@ -143,11 +143,20 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> activation_backward_cuda(
 at::Tensor activation_pass_cuda(const at::Tensor& z, c10::string_view activation, double negative_slope, c10::string_view way) {
   const ActivationSpec spec = parse_activation("convbias._activation_pass", activation, negative_slope);
   TORCH_CHECK_VALUE(
-      way == "graph" || way == "aten", "convbias._activation_pass: expected `way` to be 'graph' or 'aten', got '",
-      std::string(way), "'");
+      way == "graph" || way == "aten" || way == "fast" || way == "exact",
+      "convbias._activation_pass: expected `way` to be 'graph', 'aten', 'fast' or 'exact', got '", std::string(way),
+      "'");
   const at::MemoryFormat format = z.suggest_memory_format();
   const c10::cuda::CUDAGuard device_guard(z.device());
-  return way == "graph" ? cuda::activation_after_graph(z, spec, format) : activation_after_preactivation(z, spec, format);
+  if (way == "graph") {
+    return cuda::activation_after_graph(z, spec, format);
+  }
+  if (way == "aten") {
+    return activation_after_preactivation(z, spec, format);
+  }
+  at::Tensor out = at::empty(z.sizes(), z.options().memory_format(format));
+  cuda::activation_16bit(out, z, spec, /*fast=*/way == "fast");
+  return out;
 }
 
 } // namespace
