@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from . import harness
-from .common import environment, geomean, print_table, time_back_to_back, time_side_by_side, write_json
+from .common import add_timing_arguments, environment, geomean, print_table, time_back_to_back, time_side_by_side, write_json
 
 NAME = "activation_pass"
 SCHEMA = "torch_convbias.bench_activation_pass/1"
@@ -120,10 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--activations", nargs="+", default=list(ACTIVATIONS), choices=list(ACTIVATIONS))
     parser.add_argument("--min-mib", type=int, default=128, help="smallest tensor measured (MiB)")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--calls", type=int, default=20, help="calls queued back to back per throughput sample")
-    parser.add_argument("--repeats", type=int, default=7, help="throughput samples per variant")
+    add_timing_arguments(parser, warmup=5, iters=30, calls=20, repeats=7)
     parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -51,6 +51,7 @@ import torch_convbias
 from . import harness
 from .bench_param_grad import BIAS_BW_TARGET, BIAS_LARGE_BYTES, measure_copy_bandwidth
 from .common import (
+    add_timing_arguments,
     environment,
     print_table,
     short_error,
@@ -226,10 +227,7 @@ def cold_ms(fn: Callable[[], object]) -> tuple[float | None, str | None]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--iters", type=int, default=100)
-    parser.add_argument("--calls", type=int, default=20, help="calls queued back to back per throughput sample")
-    parser.add_argument("--repeats", type=int, default=15, help="throughput samples per way")
+    add_timing_arguments(parser, warmup=10, iters=100, calls=20, repeats=15)
     parser.add_argument("--activations", nargs="*", default=["relu", "gelu", "silu"], choices=list(ACTIVATIONS),
                         help="activations of the fused activation-backward table (none: skip it)")
     parser.add_argument("--only-activations", action="store_true",

@@ -8,6 +8,7 @@ clock or thermal drift during a run affects all of them alike.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import gc
@@ -502,3 +503,12 @@ def verdict(passed: bool | None) -> str:
 def bench_name(benchmark: bool) -> str:
     """A cudnn.benchmark setting as printed: on or off."""
     return "on" if benchmark else "off"
+
+
+def add_timing_arguments(parser: argparse.ArgumentParser, warmup: int, iters: int, calls: int, repeats: int) -> None:
+    """The options of benchmarks timing variants per call (:func:`time_side_by_side`: --warmup, --iters) and back
+    to back (:func:`time_back_to_back`: --calls, --repeats), with a benchmark's defaults."""
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--iters", type=int, default=iters, help="per-call samples per variant, interleaved")
+    parser.add_argument("--calls", type=int, default=calls, help="calls queued back to back per throughput sample")
+    parser.add_argument("--repeats", type=int, default=repeats, help="throughput samples per variant")

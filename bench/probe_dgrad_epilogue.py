@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .common import environment, geomean, short_error, time_back_to_back, time_side_by_side, write_json
+from .common import add_timing_arguments, environment, geomean, short_error, time_back_to_back, time_side_by_side, write_json
 
 NAME = "dgrad_epilogue"
 HERE = Path(__file__).resolve().parent
@@ -206,10 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", nargs="+", default=["bf16", "tf32"], choices=list(MODES))
     parser.add_argument("--shapes", type=int, nargs="*", default=None, help="indices into SHAPES (default all)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=5)
+    add_timing_arguments(parser, warmup=3, iters=20, calls=10, repeats=5)
     parser.add_argument("--budget", type=float, default=300.0, help="seconds; rows stop once exceeded")
     parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
     args = parser.parse_args(argv)
