@@ -772,3 +772,38 @@ def test_conv_graph_then_one_bias_activation_pass() -> None:
     assert keeps["path"] == "conv+bias_add" and keeps["activation"]["keeps_preactivation"] is True, keeps
     assert keeps["activation"]["how"] == (
         f"{PASS_16BIT} over the cuDNN graph's output, out of place over the pre-activation (both kept)"), keeps
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_activation_pass_ways_agree_on_every_value(dtype: torch.dtype) -> None:
+    """convbias._activation_pass, the benchmarks' handle on the pass after a graph: every way, on every value of the
+    dtype in [-16, 16] in a channels_last tensor, is within one ulp of float64 (the tail-accurate oracle), keeps the
+    layout, and 'graph' is the 'fast' way (what the forward runs after a graph for 16-bit dtypes)."""
+    from conftest import assert_within_one_ulp, every_value, tail_accurate
+
+    values = every_value(dtype, 16.0)
+    values = torch.cat([values, values.new_zeros(-values.numel() % 64)])
+    z = values.view(-1, 2, 2, 16).permute(0, 3, 1, 2).cuda()  # channels_last [M, 16, 2, 2]
+    for name in ("relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh"):
+        want = (tail_accurate(name) or (lambda t: REFERENCE[name](t, 0.2)))(z.cpu().double())
+        outs = {way: torch.ops.convbias._activation_pass(z, name, 0.2, way) for way in ("graph", "aten", "fast", "exact")}
+        for way, out in outs.items():
+            assert out.is_contiguous(memory_format=torch.channels_last) and out.dtype == dtype, (name, way)
+            # ATen's float formulas lose the far negative tail of gelu / gelu_tanh (1 + erf(x) cancels): not there.
+            if not (way in ("aten", "exact") and name in ("gelu", "gelu_tanh")):
+                assert_within_one_ulp(out, want, f"{name} {way} {dtype}", max_mismatch=5e-3)
+        torch.testing.assert_close(outs["graph"], outs["fast"], rtol=0, atol=0)
+
+
+@needs_cuda
+def test_activation_pass_refuses_bad_arguments() -> None:
+    z = torch.randn(2, 4, 3, 3, device="cuda")
+    with pytest.raises(ValueError, match="expected `way` to be 'graph', 'aten', 'fast' or 'exact', got 'other'"):
+        torch.ops.convbias._activation_pass(z, "gelu", 0.0, "other")
+    with pytest.raises(ValueError, match="expected `activation` to be one of"):
+        torch.ops.convbias._activation_pass(z, "swish", 0.0, "graph")
+    with pytest.raises(RuntimeError, match="our activation pass takes float16 / bfloat16 CUDA tensors, got Float"):
+        torch.ops.convbias._activation_pass(z, "gelu", 0.0, "fast")
+    # float32 after a graph: ATen's kernel, exactly
+    torch.testing.assert_close(torch.ops.convbias._activation_pass(z, "gelu", 0.0, "graph"), F.gelu(z), rtol=0, atol=0)
