@@ -29,4 +29,8 @@ void inject_execution_failures(int64_t count);
 // cuDNN (0 clears it).
 void inject_epilogue_rejections(int64_t count);
 
+// Test hook: the next `count` timed comparisons of a forward graph against ATen's convolution take ATen's as if it
+// had measured faster (0 clears it).
+void inject_aten_preferences(int64_t count);
+
 } // namespace convbias

@@ -78,6 +78,9 @@ TORCH_LIBRARY(convbias, m) {
   // Test hook: the next `count` forward graphs with an epilogue (the activation, the residual add) are refused as cuDNN
   // would refuse them (the graph without it and one pointwise pass run instead); 0 clears it.
   m.def("_inject_epilogue_rejections(int count) -> ()", &convbias::inject_epilogue_rejections);
+  // Test hook: the next `count` timed comparisons of a forward graph against ATen's convolution (cudnn.benchmark)
+  // choose ATen's as if it had measured faster; 0 clears it.
+  m.def("_inject_aten_preferences(int count) -> ()", &convbias::inject_aten_preferences);
   // [cuDNN version compiled against, cuDNN version loaded at run time, cuDNN frontend version].
   m.def("_cudnn_versions() -> int[]", &convbias::cudnn_versions);
 }

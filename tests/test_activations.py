@@ -304,6 +304,9 @@ def check_consistent(info: dict, name: str, slope: float = 0.01) -> None:
         assert not any(op.endswith("_FWD") or "_FWD(" in op for op in ops), info
         if info["path"] == "conv+bias_add" and not act["keeps_preactivation"]:
             assert act["how"] == ONE_PASS, act  # our bias + activation kernel after the conv graph
+        elif info["path"] == "aten" and act["how"] == ONE_PASS_AFTER_ATEN:
+            # ATen's convolution chosen (measured fastest), then our bias + activation pass: never with z kept
+            assert not act["keeps_preactivation"] and act["why"], act
         elif info["path"] == "aten" or "conv + bias plan" in act["how"]:
             assert act["how"].startswith(PASS_ATEN) and act["why"], act  # after ATen's convolution / NCHW keeping z
         else:
@@ -311,6 +314,7 @@ def check_consistent(info: dict, name: str, slope: float = 0.01) -> None:
 
 
 ONE_PASS = "one pass adding the bias and applying the activation over the conv graph's output"
+ONE_PASS_AFTER_ATEN = "one pass adding the bias and applying the activation over ATen's convolution's output"
 
 
 @needs_cuda
@@ -807,3 +811,28 @@ def test_activation_pass_refuses_bad_arguments() -> None:
         torch.ops.convbias._activation_pass(z, "gelu", 0.0, "fast")
     # float32 after a graph: ATen's kernel, exactly
     torch.testing.assert_close(torch.ops.convbias._activation_pass(z, "gelu", 0.0, "graph"), F.gelu(z), rtol=0, atol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["identity", "relu", "gelu"])
+def test_aten_convolution_then_one_bias_activation_pass(name: str) -> None:
+    """Where ATen's convolution measures faster than the cuDNN graph (cudnn.benchmark; the test hook makes it so), the
+    call runs it, then one pass of ours adding the bias and applying the activation (Inductor's route for nn.Conv2d +
+    the activation; identity: ATen's own bias add), right against float32 math, explain saying so."""
+    x, w, b = cuda_problem(2, 16, 40, 23, torch.bfloat16, seed=70)
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        torch.ops.convbias._inject_aten_preferences(1)
+        out = conv_bias2d(x, w, b, padding=1, activation=name)
+        torch.ops.convbias._inject_aten_preferences(0)
+        info = torch_convbias.explain(x, w, b, padding=1, activation=name)  # the plan the call made (cached)
+    finally:
+        torch.ops.convbias._inject_aten_preferences(0)
+        torch.backends.cudnn.benchmark = saved
+    assert info["path"] == "aten" and any("test hook" in note for note in info["notes"]), info
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    check_output(out, reference(x, w, b, name, 0.01))
+    if name != "identity":
+        assert info["activation"]["how"] == ONE_PASS_AFTER_ATEN, info
+        check_consistent(info, name)

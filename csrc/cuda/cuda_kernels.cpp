@@ -37,10 +37,13 @@ at::Tensor forward_cuda(
       check_forward_call(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
   const c10::cuda::CUDAGuard device_guard(input.device());
   const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params, spec);
-  if (route.aten_reason || route.plan->path == cuda::FpropPath::Aten) {
-    return forward_reference(input, weight, bias, stride, padding, dilation, groups, spec);
+  if (route.aten_reason) {
+    return forward_reference(input, weight, bias, stride, padding, dilation, groups, spec); // nn.Conv2d's own route
   }
   const cuda::PreparedForward& prepared = *route.prepared;
+  if (route.plan->path == cuda::FpropPath::Aten) {
+    return cuda::run_aten(prepared.problem, input, weight, bias); // as it was measured
+  }
   // In the layout F.conv2d returns: the problem's own (channels_last, or NCHW even via channels_last copies). The
   // activation is in the graph's epilogue or applied by run_fprop after it, as the plan says.
   return cuda::run_fprop(*route.plan, prepared.problem, prepared.x, prepared.w, prepared.b);

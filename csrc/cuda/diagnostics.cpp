@@ -101,8 +101,8 @@ Json bias_grad_json(const at::Tensor& grad_output) {
 // pre-activation (explain's for_backward, the autograd's _forward_with_preactivation); `after`: the plan is conv +
 // bias alone and the activation runs after it (an NCHW problem keeping the pre-activation).
 Json activation_json(
-    const ActivationSpec& spec, at::ScalarType dtype, const cuda::FpropPlan* plan, const std::string& aten_reason,
-    bool keeps = false, bool after = false) {
+    const ActivationSpec& spec, at::ScalarType dtype, bool has_bias, const cuda::FpropPlan* plan,
+    const std::string& aten_reason, bool keeps = false, bool after = false) {
   const bool fused = plan != nullptr && plan->activation_fused && !after;
   Json j{
       {"name", activation_name(spec.kind)},
@@ -118,7 +118,10 @@ Json activation_json(
     return j;
   }
   const std::string kept = keeps ? ", out of place over the pre-activation (both kept)" : "";
-  if (plan == nullptr || plan->path == cuda::FpropPath::Aten) {
+  if (plan != nullptr && plan->path == cuda::FpropPath::Aten && has_bias && !keeps) {
+    j["how"] = "one pass adding the bias and applying the activation over ATen's convolution's output"; // run_aten
+    j["why"] = plan->activation_why.empty() ? "ATen's convolution measured fastest (see notes)" : plan->activation_why;
+  } else if (plan == nullptr || plan->path == cuda::FpropPath::Aten) {
     j["how"] = "ATen's pointwise kernel after ATen's convolution" + kept;
     const std::string why = plan == nullptr ? aten_reason : plan->activation_why;
     j["why"] = why.empty() ? "ATen's convolution runs this problem (see notes)" : why;
@@ -232,7 +235,7 @@ std::string explain_cuda(
   if (route.aten_reason) {
     out["path"] = "aten";
     out["notes"] = Json::array({*route.aten_reason});
-    out["activation"] = activation_json(spec, input.scalar_type(), nullptr, *route.aten_reason, keeps);
+    out["activation"] = activation_json(spec, input.scalar_type(), bias.has_value(), nullptr, *route.aten_reason, keeps);
     return out.dump();
   }
   const cuda::PreparedForward& prepared = *route.prepared;
@@ -257,7 +260,8 @@ std::string explain_cuda(
       {"graph_ops", plan->graph_ops},
       // The tensors the graph writes: "output", and "preactivation" when the epilogue graph keeps it.
       {"graph_outputs", graph_outputs_json(*plan)},
-      {"activation", activation_json(spec, prepared.problem.dtype, plan.get(), "", keeps, route.activation_after)},
+      {"activation", activation_json(
+           spec, prepared.problem.dtype, prepared.problem.has_bias, plan.get(), "", keeps, route.activation_after)},
       {"notes", plan->notes}});
   if (plan->path != cuda::FpropPath::Aten) {
     out["engine"] = engine_json(plan->engine);
@@ -348,6 +352,10 @@ void inject_execution_failures(int64_t count) {
 
 void inject_epilogue_rejections(int64_t count) {
   cuda::inject_epilogue_rejections(count);
+}
+
+void inject_aten_preferences(int64_t count) {
+  cuda::inject_aten_preferences(count);
 }
 
 std::string plan_cache_stats() {

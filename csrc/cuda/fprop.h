@@ -121,8 +121,18 @@ at::Tensor run_fprop_residual(
     const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
     const std::optional<at::Tensor>& b, const at::Tensor& r);
 
+// Test hook (convbias::_inject_aten_preferences): the next `count` timed comparisons against ATen's convolution
+// choose it as if it had measured faster. 0 clears it.
+void inject_aten_preferences(int64_t count);
+
+// The ATen path of a plan (FpropPath::Aten: measured faster than any graph) on the original arguments, in the layout
+// F.conv2d returns: ATen's convolution; with a bias and an activation (the pre-activation not kept), then one pass of
+// ours adding the bias and applying it (bias_activation_), else ATen's bias add and activation (the reference).
+at::Tensor run_aten(
+    const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
+
 // act(conv(x, w) + b) by `plan` on the current stream, in the problem's layout, into a new tensor (the activation in
-// the graph or applied after it). Not for the ATen path, which the caller runs on the original arguments.
+// the graph or applied after it). Not for the ATen path (run_aten).
 at::Tensor run_fprop(
     const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
     const std::optional<at::Tensor>& b);
