@@ -52,8 +52,22 @@ MODES = {"bf16": (torch.bfloat16, False), "fp16": (torch.float16, False), "tf32"
          "fp32": (torch.float32, False)}
 
 
-def load_probe() -> Any:
-    """Compile (once, cached by torch's extension builder) and import the C++ probe."""
+def load_prebuilt(path: Path) -> Any:
+    """Import a probe module compiled earlier (``--build-only``) for this Python and torch."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dgrad_epilogue_probe", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"probe_dgrad_epilogue: {path} is not an extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_probe(build_directory: str | None = None) -> Any:
+    """Compile the C++ probe (into `build_directory`, else a new temporary one) and import it. The compile takes
+    ~100 s of one core on the H200's host: ``--build-only`` beforehand (elsewhere, same Python and torch) and
+    ``--prebuilt`` save that device time."""
     from torch.utils.cpp_extension import load
 
     import nvidia.cudnn
@@ -80,7 +94,7 @@ def load_probe() -> Any:
         extra_ldflags=[f"-L{cudnn_root / 'lib'}", "-l:libcudnn.so.9", *links],
         extra_cflags=["-O2"],
         with_cuda=True,
-        build_directory=tempfile.mkdtemp(prefix="dgrad_probe_"),
+        build_directory=build_directory or tempfile.mkdtemp(prefix="dgrad_probe_"),
         verbose=False,
     )
 
@@ -209,15 +223,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_timing_arguments(parser, warmup=3, iters=20, calls=10, repeats=5)
     parser.add_argument("--budget", type=float, default=300.0, help="seconds; rows stop once exceeded")
     parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
+    parser.add_argument("--build-only", metavar="DIR", help="compile the probe into DIR and stop (no GPU needed; set "
+                        "TORCH_CUDA_ARCH_LIST without one)")
+    parser.add_argument("--prebuilt", metavar="SO", help="the module --build-only compiled (DIR/dgrad_epilogue_probe.so)")
     args = parser.parse_args(argv)
+    if args.build_only:
+        Path(args.build_only).mkdir(parents=True, exist_ok=True)
+        load_probe(args.build_only)
+        print(f"probe_dgrad_epilogue: built {Path(args.build_only) / 'dgrad_epilogue_probe.so'}")
+        return 0
     if not torch.cuda.is_available():
         print("probe_dgrad_epilogue: needs a CUDA GPU")
         return 2
     import torch_convbias  # noqa: F401 - registers torch.ops.convbias
 
     begin = time.perf_counter()
-    say("compiling")
-    probe = load_probe()
+    say("loading" if args.prebuilt else "compiling")
+    probe = load_prebuilt(Path(args.prebuilt)) if args.prebuilt else load_probe()
     say("compiled in", round(time.perf_counter() - begin, 1), "s")
     compiled = time.perf_counter() - begin
     rows = []

@@ -37,7 +37,9 @@ namespace fs = std::filesystem;
 // 3: the activation in forward keys and records (its epilogue checked in the stored graph), the ACTIVATION knob.
 // 4: keep_preactivation in forward keys, "preactivation_output" in forward records (the second output checked).
 // 5: the residual (forward_residual) in forward keys, "residual_fused" in forward records.
-constexpr int64_t kFormatVersion = 5;
+// 6: the routes behind forward records changed (16-bit activation passes after a graph are ours; "aten" with a bias and
+//    an activation is ATen's convolution + our bias and activation pass): choices timed before compared other routes.
+constexpr int64_t kFormatVersion = 6;
 constexpr char kMagic[8] = {'C', 'V', 'B', 'P', 'L', 'A', 'N', '1'};
 
 std::atomic<int64_t> hit_count{0}, miss_count{0}, write_count{0}, reject_count{0};
