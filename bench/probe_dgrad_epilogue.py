@@ -18,7 +18,7 @@ Every plan the heuristics offer (A, FALLBACK; runtime-compiled ones included) is
 then timed against the others interleaved (``common.time_side_by_side``) and back to back. dz and db of each route
 are checked against float64. Run on a GPU: ``python -m bench.probe_dgrad_epilogue [--out DIR]``; needs the cuDNN
 frontend headers (``CUDNN_FRONTEND_INCLUDE_DIR`` or the ``nvidia-cudnn-frontend`` package) and compiles the probe
-(``bench/probe_dgrad_epilogue.cpp``) on first use.
+(``bench/probe_dgrad_epilogue.cpp``, ~100 s) unless ``--prebuilt`` names one compiled by ``--build-only``.
 """
 
 from __future__ import annotations
