@@ -2,13 +2,12 @@
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
-#include <atomic>
+#include "cuda/test_hook.h"
 
 namespace convbias::cuda {
 namespace {
 
-std::atomic<int64_t> injected_rejections{0};
+TestHookCountdown injected_rejections;
 
 fe::PointwiseMode_t mode_of(Activation kind) {
   switch (kind) {
@@ -57,17 +56,11 @@ std::string epilogue_operation(const ActivationSpec& activation) {
 }
 
 void inject_epilogue_rejections(int64_t count) {
-  injected_rejections.store(std::max<int64_t>(count, 0));
+  injected_rejections.arm(count);
 }
 
 bool take_injected_epilogue_rejection() {
-  int64_t left = injected_rejections.load();
-  while (left > 0) {
-    if (injected_rejections.compare_exchange_weak(left, left - 1)) {
-      return true;
-    }
-  }
-  return false;
+  return injected_rejections.take();
 }
 
 } // namespace convbias::cuda

@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <iterator>
 #include <sstream>
@@ -11,6 +10,7 @@
 #include "cuda/bias_activation.h"
 #include "cuda/epilogue.h"
 #include "cuda/plan_store.h"
+#include "cuda/test_hook.h"
 #include "reference.h"
 
 namespace convbias::cuda {
@@ -188,23 +188,12 @@ std::string layout_hint(const FpropProblem& p) {
 
 // act(conv + bias) by ATen: nn.Conv2d's own path, followed by the activation (out of place, z kept, when the problem
 // keeps the pre-activation).
-std::atomic<int64_t> injected_aten_preferences{0};
-
-// Whether this comparison is to prefer ATen's convolution (inject_aten_preferences), consuming one.
-bool take_injected_aten_preference() {
-  int64_t left = injected_aten_preferences.load();
-  while (left > 0) {
-    if (injected_aten_preferences.compare_exchange_weak(left, left - 1)) {
-      return true;
-    }
-  }
-  return false;
-}
+TestHookCountdown injected_aten_preferences; // inject_aten_preferences
 
 } // namespace
 
 void inject_aten_preferences(int64_t count) {
-  injected_aten_preferences.store(std::max<int64_t>(count, 0));
+  injected_aten_preferences.arm(count);
 }
 
 at::Tensor run_aten(
@@ -485,7 +474,7 @@ std::shared_ptr<FpropPlan> build_graph_path(
     const float aten_ms = time_on_stream([&] { (void)run_aten(p, x, w, b); });
     plan->aten_ms = aten_ms;
     plan->graph_ms = graph_ms;
-    const bool injected = take_injected_aten_preference();
+    const bool injected = injected_aten_preferences.take();
     if (aten_ms < graph_ms || injected) {
       plan->path = FpropPath::Aten;
       plan->graph.reset();

@@ -19,6 +19,8 @@
 #include <unordered_map>
 #include <sstream>
 
+#include "cuda/test_hook.h"
+
 namespace convbias::cuda {
 
 fe::DataType_t to_frontend_dtype(at::ScalarType t) {
@@ -151,23 +153,12 @@ void choose_fallback(
 }
 
 std::atomic<int64_t> workspace_fallback_count{0};
-std::atomic<int64_t> injected_execution_failures{0};
-
-// Whether this execution is to fail (inject_execution_failures), consuming one injected failure.
-bool take_injected_failure() {
-  int64_t left = injected_execution_failures.load();
-  while (left > 0) {
-    if (injected_execution_failures.compare_exchange_weak(left, left - 1)) {
-      return true;
-    }
-  }
-  return false;
-}
+TestHookCountdown injected_execution_failures; // inject_execution_failures
 
 } // namespace
 
 void inject_execution_failures(int64_t count) {
-  injected_execution_failures.store(std::max<int64_t>(count, 0));
+  injected_execution_failures.arm(count);
 }
 
 int64_t workspace_fallbacks() {
@@ -426,7 +417,7 @@ void execute_graph(
     void* workspace,
     VariantPack& pack,
     const std::function<std::string()>& what) {
-  if (take_injected_failure()) {
+  if (injected_execution_failures.take()) {
     throw_graph_error(
         "executing the " + what(), fe::error_t{fe::error_code_t::CUDNN_BACKEND_API_FAILED, "injected failure (test hook)"},
         "");
