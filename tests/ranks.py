@@ -1,5 +1,6 @@
 """Running a check in several processes of one torch.distributed group (tests/test_ddp.py, tests/test_fsdp.py): each
-rank writes its verdict to a file before the process group is torn down, and the verdicts decide."""
+rank writes its verdict to a file before the process group is torn down, and the verdicts decide. Also the network
+those tests train."""
 
 from __future__ import annotations
 
@@ -9,6 +10,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
+
+
+def small_network(second_activation: Callable[[], nn.Module] = nn.ReLU) -> nn.Sequential:
+    """The distributed tests' network of nn.Conv2d layers (3 -> 4 channels, 10x10 -> 5x5): conv + ReLU, a strided
+    grouped conv + `second_activation`, a 1x1 conv; what convert() turns into three ConvBias2d layers."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2),
+        second_activation(),
+        nn.Conv2d(8, 4, 1),
+    )
 
 
 def rank_device(rank: int, backend: str) -> torch.device:

@@ -15,27 +15,17 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_convbias
-from ranks import rank_device, run_ranks
+from ranks import rank_device, run_ranks, small_network
 
 WORLD = 2
 STEPS = 3
-
-
-def network() -> nn.Sequential:
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2),
-        nn.ReLU(),
-        nn.Conv2d(8, 4, 1),
-    )
 
 
 def check(rank: int, backend: str) -> None:
     """Both networks trained side by side under DDP: equal gradients every step, equal replicas after."""
     device = rank_device(rank, backend)
     torch.manual_seed(0)  # the same initial parameters on every rank and for both networks
-    reference = network().to(device)
+    reference = small_network().to(device)
     ours = torch_convbias.convert(copy.deepcopy(reference))
     assert sum(isinstance(m, torch_convbias.ConvBias2d) for m in ours.modules()) == 3
     models = {"ours": DistributedDataParallel(ours), "reference": DistributedDataParallel(reference)}

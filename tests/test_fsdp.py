@@ -16,21 +16,11 @@ import torch.distributed as dist
 from torch import nn
 
 import torch_convbias
-from ranks import rank_device, run_ranks
+from ranks import rank_device, run_ranks, small_network
 
 WORLD = 2
 STEPS = 3
 HALF = 4  # samples per rank
-
-
-def network() -> nn.Sequential:
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2),
-        nn.GELU(),
-        nn.Conv2d(8, 4, 1),
-    )
 
 
 def check(rank: int, backend: str) -> None:
@@ -40,7 +30,7 @@ def check(rank: int, backend: str) -> None:
     device = rank_device(rank, backend)
     torch.backends.cudnn.allow_tf32 = False  # strict fp32 against the float64 reference (on CUDA)
     torch.manual_seed(0)  # the same initial parameters on every rank
-    reference = network().double()
+    reference = small_network(nn.GELU).double()
     ours = torch_convbias.convert(copy.deepcopy(reference).float()).to(device)
     fused = [m.activation for m in ours.modules() if isinstance(m, torch_convbias.ConvBias2d)]
     assert fused == ["relu", "gelu", "identity"], fused
