@@ -258,6 +258,21 @@ def test_forward_activation_block_cpu(tmp_path: Path, monkeypatch: pytest.Monkey
     assert json.loads(path.read_text())["summaries_recomputed"]["headline"] == "graphed_vs_compiled"
     with pytest.raises(SystemExit, match="not a forward_<activation>"):
         resummarize.spec_of(path.with_name("forward-cpu.json"))
+    # bench.merge_results: a later run's row replaces the row measuring the same thing, and the summary follows it.
+    from bench import merge_results
+
+    rerun = json.loads(path.read_text())
+    rerun["rows"][0]["speedup_vs_compiled"] = 2.5
+    rerun["environment"]["commit"] = "later"
+    rerun_path = tmp_path / "rerun" / path.name
+    rerun_path.parent.mkdir()
+    rerun_path.write_text(json.dumps(rerun))
+    assert merge_results.main([str(path), str(rerun_path), "--note", "re-measured"]) == 0
+    merged = json.loads(path.read_text())
+    assert [row["speedup_vs_compiled"] for row in merged["rows"]] == [2.5]
+    assert merged["summaries"][0]["geomean_speedup_vs_compiled"] == pytest.approx(2.5)
+    assert [run["environment"]["commit"] for run in merged["merged_runs"]][-1] == "later"
+    assert merged["merged_runs"][-1]["note"] == "re-measured" and len(merged["merged_runs"]) == 2
 
 
 def test_bias_grad_bench_activation_variants_agree_on_cpu() -> None:
