@@ -789,9 +789,12 @@ def test_activation_pass_ways_agree_on_every_value(dtype: torch.dtype) -> None:
     values = every_value(dtype, 16.0)
     values = torch.cat([values, values.new_zeros(-values.numel() % 64)])
     z = values.view(-1, 2, 2, 16).permute(0, 3, 1, 2).cuda()  # channels_last [M, 16, 2, 2]
-    for name in ("relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh"):
+    for name in ("identity", "relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh"):
         want = (tail_accurate(name) or (lambda t: REFERENCE[name](t, 0.2)))(z.cpu().double())
         outs = {way: torch.ops.convbias._activation_pass(z, name, 0.2, way) for way in ("graph", "aten", "fast", "exact")}
+        if name == "identity":  # every way is a copy: the values exactly
+            for way, out in outs.items():
+                torch.testing.assert_close(out, z, rtol=0, atol=0, msg=f"identity {way}")
         for way, out in outs.items():
             assert out.is_contiguous(memory_format=torch.channels_last) and out.dtype == dtype, (name, way)
             # ATen's float formulas lose the far negative tail of gelu / gelu_tanh (1 + erf(x) cancels): not there.
