@@ -447,10 +447,17 @@ def run_case(
 # Summaries, printing, plot
 
 
-def summarize_rows(spec: Spec, rows: Sequence[dict[str, Any]], mode: str, benchmark: bool) -> dict[str, Any]:
+def summarize_rows(
+    spec: Spec,
+    rows: Sequence[dict[str, Any]],
+    mode: str,
+    benchmark: bool,
+    suite: Sequence[Mapping[str, int]] | None = None,
+) -> dict[str, Any]:
     """Geomeans of every ratio, worst shape, shapes below 1.0x and the target verdicts for one mode and setting.
 
-    A missing shape (error, OOM) makes a verdict impossible (None, printed INCOMPLETE), never a pass.
+    A missing shape (error, OOM, or, given the run's ``suite``, a shape with no row: a run cut short) makes a verdict
+    impossible (None, printed INCOMPLETE), never a pass.
     """
     key = spec.headline
     mine = [r for r in rows if r["mode"] == mode and r["cudnn_benchmark"] == benchmark and r["status"] != "skipped"]
@@ -459,6 +466,8 @@ def summarize_rows(spec: Spec, rows: Sequence[dict[str, Any]], mode: str, benchm
     right = [r for r in mine if r["label"] not in failed_numerics]
     measured = [r for r in right if r[key] is not None]
     missing = [r["label"] for r in mine if r[key] is None]
+    present = {r["label"] for r in mine}
+    missing += [label for label in (Shape(**shape).label for shape in suite or ()) if label not in present]
     below = [r["label"] for r in measured if r[key] < 1.0]
     worst = min(measured, key=lambda r: r[key], default=None)
     geo = geomean(r[key] for r in measured)
@@ -733,7 +742,8 @@ def run(
         results.update(before())
     results.update(rows=[], summaries=[])
     settings = run_suite(spec, args, measure, results, path)
-    results["summaries"] = [summarize_rows(spec, results["rows"], m.name, b) for b in settings for m in selected]
+    suite = results["config"]["suite"]
+    results["summaries"] = [summarize_rows(spec, results["rows"], m.name, b, suite) for b in settings for m in selected]
     results["complete"] = True
     results["wall_seconds"] = time.perf_counter() - started
     write_json(results, args.out, spec.name, path)

@@ -38,7 +38,8 @@ def resummarize(path: Path) -> dict[str, Any]:
     order = results["config"]["modes"]
     settings = sorted({(r["mode"], r["cudnn_benchmark"]) for r in results["rows"]}, key=lambda s: order.index(s[0]))
     rows = results["rows"]
-    results["summaries"] = [harness.summarize_rows(spec, rows, mode, benchmark) for mode, benchmark in settings]
+    suite = results["config"].get("suite")
+    results["summaries"] = [harness.summarize_rows(spec, rows, mode, benchmark, suite) for mode, benchmark in settings]
     results["summaries_recomputed"] = {"commit": common.git_commit(), "headline": spec.headline}
     common.write_json(results, None, spec.name, path)
     print(f"== {path.name} ({spec.headline_definition or spec.headline_ratio}) ==")

@@ -273,6 +273,13 @@ def test_forward_activation_block_cpu(tmp_path: Path, monkeypatch: pytest.Monkey
     assert merged["summaries"][0]["geomean_speedup_vs_compiled"] == pytest.approx(2.5)
     assert [run["environment"]["commit"] for run in merged["merged_runs"]][-1] == "later"
     assert merged["merged_runs"][-1]["note"] == "re-measured" and len(merged["merged_runs"]) == 2
+    # A shape of the run's suite with no row at all (a run cut short) is missing too: no verdict from the rest.
+    suite = merged["config"]["suite"] + [dict(merged["config"]["suite"][0], n=3)]
+    spec = resummarize.spec_of(path)
+    cut = harness.summarize_rows(spec, merged["rows"], "fp32", merged["rows"][0]["cudnn_benchmark"], suite)
+    # (On the CPU the measured row has no CUDA-graphed headline: missing already.)
+    assert cut["missing"] == [*merged["summaries"][0]["missing"], harness.Shape(**suite[-1]).label]
+    assert cut["shapes"] == 1 and cut["target_no_shape_below_1x_pass"] is None
 
 
 def test_bias_grad_bench_activation_variants_agree_on_cpu() -> None:
