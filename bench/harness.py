@@ -204,6 +204,14 @@ def parse_args(spec: Spec, argv: Sequence[str] | None) -> argparse.Namespace:
     )
     add("--quick", action="store_true", help=f"{len(QUICK_SUITE)}-shape subset with smaller N (smoke test)")
     add(
+        "--shapes",
+        nargs="+",
+        type=int,
+        default=None,
+        metavar="I",
+        help="only these shapes of the suite, by index from 0 (to finish a run cut short; bench.merge_results joins it)",
+    )
+    add(
         "--device",
         choices=["cuda", "cpu"],
         default="cuda",
@@ -224,7 +232,17 @@ def parse_args(spec: Spec, argv: Sequence[str] | None) -> argparse.Namespace:
     args.iters = iters if args.iters is None else args.iters
     if args.warmup < 0 or args.iters < 1:
         parser.error("--warmup must be >= 0 and --iters >= 1")
+    size = len(QUICK_SUITE if args.quick else spec.suite)
+    if args.shapes is not None and not all(0 <= i < size for i in args.shapes):
+        parser.error(f"--shapes: expected indices from 0 to {size - 1} (the suite has {size} shapes), got {args.shapes}")
     return args
+
+
+def selected_suite(spec: Spec, args: argparse.Namespace) -> list[Shape]:
+    """The shapes this run measures: the suite (or the quick one), narrowed to --shapes when given."""
+    suite = list(QUICK_SUITE if args.quick else spec.suite)
+    shapes = getattr(args, "shapes", None)
+    return suite if shapes is None else [suite[i] for i in dict.fromkeys(shapes)]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -683,7 +701,7 @@ def run_suite(
     per mode. Returns the cudnn.benchmark settings run."""
     selected = [modes()[name] for name in args.modes]
     settings = {"on": [True], "off": [False], "both": [True, False]}[args.benchmark_cudnn]
-    suite = QUICK_SUITE if args.quick else spec.suite
+    suite = selected_suite(spec, args)
     for benchmark in settings:
         for mode in selected:
             for i, shape in enumerate(suite):
@@ -728,7 +746,7 @@ def run(
         return 2
     selected = [modes()[name] for name in args.modes]
     started = time.perf_counter()
-    results = new_results(spec, args, QUICK_SUITE if args.quick else spec.suite)
+    results = new_results(spec, args, selected_suite(spec, args))
     env = results["environment"]
     print(
         f"bench_{spec.name}: {env['gpu']}, torch {env['torch']}, cuDNN {env['cudnn']}, commit {env['commit']} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -85,6 +86,21 @@ def test_quick_cpu_run_writes_complete_json(tmp_path: Path) -> None:
         assert SUMMARY_KEYS <= set(summary)
         assert summary["measured"] == len(labels) and summary["geomean_speedup_cl"] > 0
     assert next(tmp_path.glob("*.json")).with_suffix(".png").exists() == plot
+
+
+def test_shapes_selects_part_of_the_suite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--shapes runs only the suite's shapes at those indices (to finish a run cut short), recorded as its suite;
+    an index outside the suite is refused, naming the range."""
+    assert bench_forward.main([*FAST, "--modes", "fp32", "--shapes", "1", "--out", str(tmp_path)]) == 0
+    results = json.loads(next(tmp_path.glob("forward-*.json")).read_text())
+    wanted = bench_forward.QUICK_SUITE[1]
+    assert [row["label"] for row in results["rows"]] == [wanted.label]
+    assert results["config"]["suite"] == [dataclasses.asdict(wanted)]
+    assert results["summaries"][0]["missing"] == [] and results["complete"] is True
+    size = len(bench_forward.QUICK_SUITE)
+    with pytest.raises(SystemExit):
+        bench_forward.main([*FAST, "--shapes", str(size), "--out", str(tmp_path)])
+    assert f"--shapes: expected indices from 0 to {size - 1}" in capsys.readouterr().err
 
 
 def test_optional_api_is_recorded_and_oom_is_per_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
