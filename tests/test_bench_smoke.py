@@ -103,6 +103,23 @@ def test_shapes_selects_part_of_the_suite(tmp_path: Path, capsys: pytest.Capture
     assert f"--shapes: expected indices from 0 to {size - 1}" in capsys.readouterr().err
 
 
+def test_1x1_gemm_probe_on_cpu(tmp_path: Path) -> None:
+    """probe_1x1_gemm's ways (our op, conv2d, addmm, addmm with the relu epilogue) agree with the float64 matmul, keep
+    channels_last, and only 1x1 / stride 1 / unpadded shapes of the suites are probed."""
+    from bench import probe_1x1_gemm
+
+    shapes = probe_1x1_gemm.one_by_one_shapes()
+    assert shapes and all((s.kernel, s.stride, s.pad) == (1, 1, 0) for s in shapes)
+    assert probe_1x1_gemm.main(["--device", "cpu", "--modes", "fp32", "--iters", "1", "--warmup", "0", "--calls", "1",
+                                "--repeats", "1", "--out", str(tmp_path)]) == 0
+    results = json.loads(next(tmp_path.glob("gemm_1x1-*.json")).read_text())
+    relu = next(r for r in results["rows"] if r["activation"] == "relu")
+    assert set(relu["numerics"]) == {"ours", "cudnn", "mm", "mm_epilogue"}
+    assert all(check["passed"] for row in results["rows"] for check in row["numerics"].values())
+    assert all(all(row["layout_kept"].values()) for row in results["rows"])
+    assert results["summary"]["fp32"]["numerics_failures"] == []
+
+
 def test_optional_api_is_recorded_and_oom_is_per_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With cache_clear/cache_info/explain present their results land in the JSON; an OOM costs one row."""
     state = {"misses": 0, "build_seconds": 0.0}
