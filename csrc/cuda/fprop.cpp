@@ -186,8 +186,6 @@ std::string layout_hint(const FpropProblem& p) {
   return hint.str();
 }
 
-// act(conv + bias) by ATen: nn.Conv2d's own path, followed by the activation (out of place, z kept, when the problem
-// keeps the pre-activation).
 TestHookCountdown injected_aten_preferences; // inject_aten_preferences
 
 } // namespace
@@ -196,6 +194,8 @@ void inject_aten_preferences(int64_t count) {
   injected_aten_preferences.arm(count);
 }
 
+// act(conv + bias) by ATen's convolution (fprop.h says which passes follow it; out of place, z kept, when the problem
+// keeps the pre-activation).
 at::Tensor run_aten(
     const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   const ConvParams& c = p.params;
@@ -480,13 +480,15 @@ std::shared_ptr<FpropPlan> build_graph_path(
       plan->graph.reset();
       plan->activation_fused = false;
       plan->preactivation_output = false;
+      // What run_aten ran, named once for the note and the activation's reason.
+      const char* aten_route = p.activation.is_identity() ? "ATen's convolution + bias add"
+          : p.has_bias && !p.keep_preactivation           ? "ATen's convolution + one bias and activation pass"
+                                                          : "ATen's convolution, bias add and activation";
+      const std::string measured = std::string(aten_route) + " measured faster than the cuDNN graph";
       plan->notes.push_back(
-          injected ? "ATen's convolution taken by the test hook (convbias::_inject_aten_preferences)"
-                   : "ATen's convolution + bias add measured faster than the cuDNN graph");
+          injected ? "ATen's convolution taken by the test hook (convbias::_inject_aten_preferences)" : measured);
       if (!p.activation.is_identity()) {
-        plan->activation_why = p.has_bias && !p.keep_preactivation
-            ? "ATen's convolution + one bias and activation pass measured faster than the cuDNN graph"
-            : "ATen's convolution, bias add and activation measured faster than the cuDNN graph";
+        plan->activation_why = measured;
       }
     }
   }
