@@ -10,11 +10,16 @@ Variants, each on its own copy of one randomly initialised model, measured in on
 * ``ours_eager``          ``torch_convbias.convert(model)`` run eagerly;
 * ``ours_backend``        ``torch.compile(model, backend="convbias")``: the unmodified model rewritten into our ops,
                           then Inductor.
+* ``ours_backend_kernel_bwd`` training, with ``--activation-backward-variant`` only: the backend with
+                          ``convbias.activation_backward="ours"`` (every activation backward on our kernel, none
+                          fused by Inductor with the max-pool backward before it): what that pass is worth.
 
 A training step is forward, cross-entropy loss, backward and an SGD step (foreach); inference is a forward under
 ``torch.inference_mode()``. Per variant: ``gpu_ms``, the GPU kernel time of one step (profiler sums, the work
 itself: a compiled step of a small model measures the host otherwise), and ``step_ms``, steps queued back to back
 (the rate a loop gets). Ratios are the strongest nn side over ours (> 1: ours is faster), on GPU time.
+``gpu_kernels``: per variant, the kernels that take most of that time (ms per step), to see where the sides differ;
+``backward_fusion``: how many activation backwards the backend handed to Inductor and kept on our kernel.
 
 Numerics: each variant's logits (first call, before any parameter update, eval mode) against the nn model run in
 float64 on the same input: relative RMS error, passing when within twice nn eager's own error plus the mode's
@@ -83,19 +88,42 @@ def build(name: str) -> nn.Module:
     return getattr(torchvision.models, name)(weights=None)
 
 
-def variants(model: nn.Module, phase: str, device: str) -> dict[str, nn.Module | Callable[..., Any]]:
+# Kernels recorded per variant in a row's gpu_kernels (the largest; the rest summed under "other").
+TOP_KERNELS = 12
+
+
+def variants(
+    model: nn.Module, phase: str, device: str, kernel_bwd_variant: bool = False
+) -> dict[str, nn.Module | Callable[..., Any]]:
     """Each variant's callable, on its own deep copy of ``model``. On the CPU the backend also rewrites CPU
     convolutions (the op's reference path) so that the script's logic runs end to end."""
-    options = {"convbias.devices": ("cpu", "cuda")} if device == "cpu" else None
+    options = {"convbias.devices": ("cpu", "cuda")} if device == "cpu" else {}
     out: dict[str, nn.Module | Callable[..., Any]] = {
         "nn_eager": copy.deepcopy(model),
         "nn_compiled": torch.compile(copy.deepcopy(model)),
         "ours_eager": torch_convbias.convert(copy.deepcopy(model)),
-        "ours_backend": torch.compile(copy.deepcopy(model), backend="convbias", options=options),
+        "ours_backend": torch.compile(copy.deepcopy(model), backend="convbias", options=options or None),
     }
     if phase == "infer":
         out["nn_frozen"] = torch.compile(copy.deepcopy(model), options={"freezing": True})
-    return {name: out[name] for name in (TRAIN_VARIANTS if phase == "train" else INFER_VARIANTS)}
+    names = list(TRAIN_VARIANTS if phase == "train" else INFER_VARIANTS)
+    if kernel_bwd_variant and phase == "train":
+        kept = {**options, "convbias.activation_backward": "ours"}
+        out["ours_backend_kernel_bwd"] = torch.compile(copy.deepcopy(model), backend="convbias", options=kept)
+        names.append("ours_backend_kernel_bwd")
+    return {name: out[name] for name in names}
+
+
+def top_kernels(kernels: dict[str, float] | None, calls: int) -> dict[str, float] | None:
+    """The largest kernels of a profile (ms per step), the rest summed as "other"."""
+    if kernels is None:
+        return None
+    items = list(kernels.items())  # largest first
+    top = {name[:160]: ms / calls for name, ms in items[:TOP_KERNELS]}
+    rest = sum(ms for _, ms in items[TOP_KERNELS:])
+    if rest:
+        top["other"] = rest / calls
+    return top
 
 
 def parameters_of(fn: nn.Module | Callable[..., Any]) -> list[nn.Parameter]:
@@ -152,15 +180,22 @@ def measure(name: str, phase: str, mode: common.Mode, args: argparse.Namespace) 
     # row, Dynamo's recompile limit would leave later rows' compiled variants silently running eagerly.
     torch._dynamo.reset()
     torch_convbias.compiler.reports.clear()
+    torch_convbias.compiler.backward_reports.clear()
     torch.manual_seed(args.seed)
     model = build(name).to(device=args.device, dtype=mode.dtype, memory_format=torch.channels_last)
     if phase == "infer":
         model.eval()
     x = torch.randn(batch, 3, side, side, device=args.device, dtype=mode.dtype).contiguous(memory_format=torch.channels_last)
     target = torch.randint(0, 10, (batch,), device=args.device)
-    fns = variants(model, phase, args.device)
+    fns = variants(model, phase, args.device, args.activation_backward_variant)
     row: dict[str, Any] = {"model": name, "phase": phase, "mode": mode.name, "batch": batch, "side": side}
-    with common.mode_flags(mode, cudnn_benchmark=True):
+    # Inductor's caches off: every variant compiles here, so that the backend's pass reports what it did (a graph from
+    # the cache would skip it); the timings do not depend on it.
+    no_caches = (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    )
+    with common.mode_flags(mode, cudnn_benchmark=True), no_caches[0], no_caches[1]:
         # Training rows check the eager variants only: checking a compiled one there would compile it once more (eval
         # mode, no gradients); the inference rows check the compiled graphs, rewritten the same way.
         checked = fns if phase == "infer" else {v: fns[v] for v in ("nn_eager", "ours_eager")}
@@ -170,9 +205,10 @@ def measure(name: str, phase: str, mode: common.Mode, args: argparse.Namespace) 
             for _ in range(args.warmup):
                 step()
         rates = common.time_back_to_back(steps, args.calls, args.repeats, args.device)
-        gpu = {variant: common.gpu_kernel_ms([step] * args.calls, args.device) for variant, step in steps.items()}
+        kernels = {variant: common.gpu_kernels([step] * args.calls, args.device) for variant, step in steps.items()}
     row["step_ms"] = {v: rates[v]["median_ms"] for v in steps}
-    row["gpu_ms"] = {v: (g / args.calls if g is not None else None) for v, g in gpu.items()}
+    row["gpu_ms"] = {v: (sum(k.values()) / args.calls if k is not None else None) for v, k in kernels.items()}
+    row["gpu_kernels"] = {v: top_kernels(k, args.calls) for v, k in kernels.items()}
     reports = list(torch_convbias.compiler.reports)
     row["rewrites"] = reports[-1].count() if reports else None
     # What the backend's last graph holds: convolutions rewritten with an activation, a folded batch norm, a residual
@@ -196,6 +232,15 @@ def measure(name: str, phase: str, mode: common.Mode, args: argparse.Namespace) 
     row["backend_vs_nn_eager_gpu"] = over_ours("gpu_ms", ("nn_eager",))
     eager_ours, eager_nn = row["gpu_ms"].get("ours_eager"), row["gpu_ms"].get("nn_eager")
     row["ours_eager_vs_nn_eager_gpu"] = eager_nn / eager_ours if eager_ours and eager_nn else None
+    # The backward pass's worth: the backend with every activation backward on our kernel over the default.
+    kernel_bwd = row["gpu_ms"].get("ours_backend_kernel_bwd")
+    row["backward_fusion_gain_gpu"] = kernel_bwd / row["gpu_ms"]["ours_backend"] if kernel_bwd and row["gpu_ms"].get("ours_backend") else None
+    backward = list(torch_convbias.compiler.backward_reports)
+    row["backward_fusion"] = (
+        {"handed": len(backward[-1].handed), "kept": len(backward[-1].kept), "kept_why": [e["reason"] for e in backward[-1].kept]}
+        if backward
+        else None
+    )
     goal = TARGETS.get((name, phase), {}).get(mode.name)
     headline = row["backend_vs_nn_compiled_gpu"]
     row["target"] = goal
@@ -216,6 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="samples per variant, variants interleaved")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--all-phases", action="store_true", help="also ResNet-50 training (no target; slow to compile)")
+    parser.add_argument(
+        "--activation-backward-variant",
+        action="store_true",
+        help="training rows also measure the backend with convbias.activation_backward='ours' (one more compile)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     unknown = set(args.models) - set(MODELS)

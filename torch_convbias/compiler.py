@@ -35,6 +35,11 @@ Backend options (keys of ``options`` starting with ``convbias.``, removed before
 * ``convbias.fuse_activations`` (default True), ``convbias.fold_batchnorm`` (default True);
 * ``convbias.fuse_residual`` (default True): False leaves residual adds as they are (the convolution before them
   is still rewritten alone);
+* ``convbias.activation_backward`` (Inductor only): where an activation's backward and the bias gradient run in the
+  backward graph: ``"auto"`` (default) hands them to Inductor, as ATen's derivative and a sum, when the incoming
+  gradient is computed by code Inductor generates (a max-pool's backward, a sum of branches), so that one Triton
+  kernel produces the gradient and its derivative; elsewhere our fused kernel runs. ``"ours"``: always our kernel;
+  ``"inductor"``: always Inductor's (torch_convbias/_backward_fusion.py; :data:`backward_reports`);
 * ``convbias.inner``: the backend that compiles the rewritten graph, default ``"inductor"``.
 """
 
@@ -53,7 +58,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-__all__ = ["RewriteReport", "compile", "convbias_backend", "reports", "rewrite_graph"]
+from torch_convbias import _backward_fusion
+
+__all__ = ["RewriteReport", "backward_reports", "compile", "convbias_backend", "reports", "rewrite_graph"]
 
 LOG = logging.getLogger("torch_convbias.compile")
 if os.environ.get("TORCH_CONVBIAS_COMPILE_LOG", "") not in ("", "0"):
@@ -89,6 +96,8 @@ class RewriteReport:
 
 # The last graphs' reports, newest last (a graph break makes several graphs per compiled function).
 reports: collections.deque[RewriteReport] = collections.deque(maxlen=64)
+# The last backward graphs' reports of the activation-backward pass (torch_convbias/_backward_fusion.py).
+backward_reports = _backward_fusion.reports
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +106,7 @@ class _Config:
     fuse_activations: bool = True
     fold_batchnorm: bool = True
     fuse_residual: bool = True
+    activation_backward: str = "auto"
     inner: str | Callable[..., Any] = "inductor"
 
 
@@ -113,6 +123,11 @@ def _config_from(options: dict[str, Any]) -> _Config:
         if isinstance(devices, str) or not all(d in ("cpu", "cuda") for d in devices):
             raise ValueError(f"convbias backend: expected `convbias.devices` to be a sequence of 'cpu' / 'cuda', got {devices!r}")
         values["devices"] = tuple(devices)
+    if "activation_backward" in values and values["activation_backward"] not in _backward_fusion.POLICIES:
+        raise ValueError(
+            f"convbias backend: expected `convbias.activation_backward` to be one of {', '.join(_backward_fusion.POLICIES)}, "
+            f"got {values['activation_backward']!r}"
+        )
     for flag in ("fuse_activations", "fold_batchnorm", "fuse_residual"):
         if flag in values and not isinstance(values[flag], bool):
             raise ValueError(f"convbias backend: expected `convbias.{flag}` to be a bool, got {values[flag]!r}")
@@ -616,6 +631,12 @@ def convbias_backend(
     config = _config_from(ours)
     _rewrite(gm, config)
     if config.inner == "inductor":
+        if config.activation_backward != "ours":
+            # Chained: a pre-pass the caller set (in options, else in Inductor's config) still runs, after ours.
+            import torch._inductor.config as inductor_config
+
+            theirs = options.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass)
+            options["post_grad_custom_pre_pass"] = _backward_fusion.ActivationBackwardPass(config.activation_backward, theirs)
         return _inductor(mode, options)(gm, list(example_inputs))
     if mode is not None or options:
         raise ValueError(f"convbias backend: `mode` and Inductor `options` need convbias.inner='inductor', got {config.inner!r}")

@@ -1,0 +1,256 @@
+"""The convbias backend's activation-backward pass (torch_convbias/_backward_fusion.py): in the backward graph Inductor
+compiles, ``convbias._activation_backward`` becomes ATen's derivative and a bias sum where the incoming gradient is
+computed by Inductor's own code (a max-pool's backward), so that one generated kernel does both; where it comes from
+a library kernel (a convolution's input gradient) or is the graph's input, our kernel stays.
+
+On the CPU (``convbias.devices`` including "cpu", Inductor's C++ backend): which nodes are handed over (the pass's
+report, and the generated code's calls of the op), and every gradient against the same model run eagerly in float64
+(an oracle independent of both the op and Inductor). On CUDA (skipped without a GPU): the same in bfloat16 against
+the eager model.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from conftest import cuda
+from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.utils import run_and_get_code
+
+import torch_convbias
+from torch_convbias import compiler
+
+CPU = ("cpu", "cuda")
+OP_CALL = re.compile(r"torch\.ops\.convbias\._activation_backward\.default\(")
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiles() -> Iterator[None]:
+    """The pass reports when Inductor compiles a backward graph: no graph may come from Inductor's caches."""
+    torch._dynamo.reset()
+    compiler.reports.clear()
+    compiler.backward_reports.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def pooled_network(activation: Callable[[], nn.Module] = nn.ReLU, bias: bool = True) -> nn.Sequential:
+    """Three convolutions with an activation each: the first and third followed by a max-pool (the gradient reaching
+    their activation is the pool's backward), the second by the third convolution (its input gradient)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=bias),
+        activation(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding=1, bias=bias),
+        activation(),
+        nn.Conv2d(8, 8, 3, padding=1, bias=bias),
+        activation(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(8 * 2 * 2, 5),
+    )
+
+
+def train_against_float64(
+    model: nn.Module, compiled: Any, x: torch.Tensor, tol: float = 1e-4, capture: bool = True
+) -> list[str]:
+    """One forward and backward of ``compiled`` (gradients of the input and every parameter) against a float64 eager
+    copy of ``model``; returns the code Inductor generated for it (with ``capture``, which resets Dynamo first: the
+    call compiles anew; without it, nothing)."""
+    reference = copy.deepcopy(model).double()
+    x64 = x.detach().double().requires_grad_()
+    x32 = x.detach().clone().requires_grad_()
+    expected = reference(x64)
+    seed = torch.randn_like(expected)
+    expected.backward(seed)
+
+    def step() -> torch.Tensor:
+        actual = compiled(x32)
+        actual.backward(seed.to(actual.dtype))
+        return actual
+
+    actual, code = run_and_get_code(step) if capture else (step(), [])
+    torch.testing.assert_close(actual.double(), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(x32.grad.double(), x64.grad, rtol=tol, atol=tol)
+    for (name, p), p64 in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad.double(), p64.grad, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+    return code
+
+
+def op_calls(code: list[str]) -> int:
+    """How many times the generated code calls our activation-backward kernel."""
+    return sum(len(OP_CALL.findall(source)) for source in code)
+
+
+def compile_with(model: nn.Module, policy: str | None = None, **kwargs: Any) -> Any:
+    options: dict[str, Any] = {"convbias.devices": CPU}
+    if policy is not None:
+        options["convbias.activation_backward"] = policy
+    return torch.compile(model, backend="convbias", options=options, fullgraph=True, **kwargs)
+
+
+def test_auto_hands_over_the_activations_below_a_pool_and_keeps_the_one_below_a_convolution() -> None:
+    torch.manual_seed(0)
+    model = pooled_network()
+    code = train_against_float64(model, compile_with(model), torch.randn(2, 3, 8, 8))
+    assert compiler.reports[-1].count(activation="relu") == 3
+    (report,) = compiler.backward_reports
+    assert len(report.handed) == 2 and len(report.kept) == 1, report
+    assert "aten::convolution_backward" in report.kept[0]["reason"], report
+    assert all("Inductor generates code for" in entry["reason"] for entry in report.handed), report
+    assert op_calls(code) == 1  # only the kept one is still a call of our kernel
+
+
+def test_a_gradient_that_is_the_graph_input_keeps_our_kernel() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+    code = train_against_float64(model, compile_with(model), torch.randn(2, 3, 6, 6))
+    (report,) = compiler.backward_reports
+    assert report.handed == [] and len(report.kept) == 1
+    assert "an input of the backward graph" in report.kept[0]["reason"]
+    assert op_calls(code) == 1
+
+
+ACTIVATIONS = {
+    "relu": nn.ReLU,
+    "leaky_relu": lambda: nn.LeakyReLU(0.1),
+    "leaky_relu_negative": lambda: nn.LeakyReLU(-0.2),
+    "gelu": nn.GELU,
+    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
+    "silu": nn.SiLU,
+    "sigmoid": nn.Sigmoid,
+    "tanh": nn.Tanh,
+}
+
+
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_every_activation_handed_to_inductor_matches_float64(name: str) -> None:
+    """Policy "inductor": every activation's backward becomes ATen's derivative (from the output or the
+    pre-activation, as the forward kept it); gradients equal float64 autograd of nn.Conv2d + the activation."""
+    torch.manual_seed(0)
+    model = pooled_network(ACTIVATIONS[name])
+    code = train_against_float64(model, compile_with(model, "inductor"), torch.randn(2, 3, 8, 8))
+    assert compiler.reports[-1].count() == 3 and compiler.reports[-1].count(activation="identity") == 0
+    (report,) = compiler.backward_reports
+    assert len(report.handed) == 3 and report.kept == []
+    assert op_calls(code) == 0
+
+
+def test_policy_ours_keeps_every_activation_on_our_kernel() -> None:
+    torch.manual_seed(0)
+    model = pooled_network()
+    code = train_against_float64(model, compile_with(model, "ours"), torch.randn(2, 3, 8, 8))
+    assert len(compiler.backward_reports) == 0  # the pass is not installed at all
+    assert op_calls(code) == 3
+
+
+def test_bias_free_convolutions_hand_over_the_derivative_alone() -> None:
+    torch.manual_seed(0)
+    model = pooled_network(bias=False)
+    code = train_against_float64(model, compile_with(model), torch.randn(2, 3, 8, 8))
+    (report,) = compiler.backward_reports
+    assert len(report.handed) == 2 and len(report.kept) == 1
+    assert op_calls(code) == 1
+
+
+class PooledResidual(nn.Module):
+    """relu(conv(x) + x), then a max-pool: the residual op's activation backward sits below the pool."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.stem(x)
+        return self.pool(torch.relu(self.conv(y) + y)).sum((2, 3))
+
+
+def test_residual_block_below_a_pool_is_handed_over() -> None:
+    torch.manual_seed(0)
+    model = PooledResidual()
+    code = train_against_float64(model, compile_with(model), torch.randn(2, 3, 8, 8))
+    assert compiler.reports[-1].count(residual=True) == 1
+    (report,) = compiler.backward_reports
+    assert [entry["activation"] for entry in report.handed] == ["relu"] and report.kept == []
+    assert op_calls(code) == 0
+
+
+def test_dynamic_batch_sizes_share_one_handed_over_graph() -> None:
+    torch.manual_seed(0)
+    model = pooled_network()
+    compiled = compile_with(model, dynamic=True)
+    for batch in (2, 3, 5):
+        model.zero_grad(set_to_none=True)
+        train_against_float64(model, compiled, torch.randn(batch, 3, 8, 8), capture=False)
+    assert len(compiler.reports) == 1
+    (report,) = compiler.backward_reports  # one backward graph for every batch size
+    assert len(report.handed) == 2
+
+
+class CountingPass(CustomGraphPass):
+    """A caller's own post-grad pre-pass: counts the graphs it is given."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.graphs += 1
+
+    def uuid(self) -> Any:
+        return "counting"
+
+
+def test_a_callers_post_grad_pass_still_runs() -> None:
+    torch.manual_seed(0)
+    model = pooled_network()
+    theirs = CountingPass()
+    compiled = torch.compile(
+        model, backend="convbias", options={"convbias.devices": CPU, "post_grad_custom_pre_pass": theirs}
+    )
+    train_against_float64(model, compiled, torch.randn(2, 3, 8, 8))
+    assert theirs.graphs == 2  # the forward and the backward graph
+    assert len(compiler.backward_reports) == 1
+
+
+def test_unknown_policy_is_refused_naming_the_option() -> None:
+    model = pooled_network()
+    compiled = compile_with(model, "triton")
+    with pytest.raises(Exception, match=r"convbias\.activation_backward.*'auto', 'ours', 'inductor'|convbias\.activation_backward.*auto, ours, inductor"):
+        compiled(torch.randn(2, 3, 8, 8))
+
+
+@cuda
+def test_cuda_bfloat16_pooled_network_hands_over_and_matches_eager() -> None:
+    """The default devices (CUDA), channels_last bfloat16: the pooled activations' backward fused by Inductor; every
+    gradient equal to eager nn.Conv2d's to bfloat16 rounding."""
+    torch.manual_seed(0)
+    model = pooled_network().cuda().to(torch.bfloat16).to(memory_format=torch.channels_last)
+    x = torch.randn(8, 3, 8, 8, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    expected = model(x)
+    expected.float().square().sum().backward()
+    eager = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(model, backend="convbias")
+
+    def step() -> torch.Tensor:
+        out = compiled(x)
+        out.float().square().sum().backward()
+        return out
+
+    actual, code = run_and_get_code(step)
+    (report,) = compiler.backward_reports
+    assert len(report.handed) == 2 and len(report.kept) == 1, report
+    assert op_calls(code) == 1
+    torch.testing.assert_close(actual, expected, rtol=3e-2, atol=3e-2)
+    for p, g in zip(model.parameters(), eager):
+        torch.testing.assert_close(p.grad, g, rtol=3e-2, atol=3e-2 * max(1.0, g.abs().max().item()))

@@ -1,0 +1,228 @@
+"""The post-grad pass the ``convbias`` backend gives Inductor: an activation's backward (and the bias gradient with
+it) handed to Inductor where Inductor can fuse it with the kernel that produces the incoming gradient.
+
+In eager mode ``convbias._activation_backward`` is one kernel of ours: the gradient at the convolution's output, dz =
+g * act'(saved), and the bias gradient, dz summed over N, H and W, in one pass over g. Under Inductor that pass has
+a neighbour: when g itself comes out of code Inductor generates (a max-pool's backward, the sum of two branches'
+gradients, a flatten's view of a pointwise result), compiled nn.Conv2d computes g, dz and the bias sum in the same
+Triton kernels, while our opaque op forces g to be written out in full and read back. Here the op is replaced, in the
+backward graph, by ATen's own derivative (``threshold_backward``, ``gelu_backward``, ...) and a sum, traced with
+Inductor's decompositions, so that Inductor fuses them with g's producer. Where g comes from a kernel Inductor only
+calls (a convolution's input gradient, a matmul, an op of ours) or is an input of the backward graph, there is
+nothing to fuse with and our kernel stays.
+
+Policies (backend option ``convbias.activation_backward``): ``"auto"`` (the rule above, the default), ``"ours"``
+(never replaced), ``"inductor"`` (always replaced: for measuring one against the other). :data:`reports` keeps one
+:class:`BackwardReport` per backward graph compiled.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import operator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+LOG = logging.getLogger("torch_convbias.compile")
+
+POLICIES = ("auto", "ours", "inductor")
+
+# Producers that Inductor lowers to a library call (or a template) whose output it cannot fuse a reduction into.
+_LIBRARY_KERNELS = {
+    "aten::convolution",
+    "aten::convolution_backward",
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::_int_mm",
+}
+# Ops that only reinterpret their input's storage (Inductor makes them views, not kernels): g's producer is found
+# behind them.
+_VIEWS = {
+    "aten::view",
+    "aten::_unsafe_view",
+    "aten::reshape",
+    "aten::permute",
+    "aten::expand",
+    "aten::squeeze",
+    "aten::unsqueeze",
+    "aten::alias",
+    "aten::t",
+    "aten::transpose",
+}
+
+
+@dataclasses.dataclass
+class BackwardReport:
+    """What the pass did in one backward graph: ``handed`` the activation backwards replaced by ATen's derivative and a
+    sum (Inductor fuses them with the gradient's producer), ``kept`` those left to our kernel; each entry names the
+    node, the activation and the reason (the gradient's producer)."""
+
+    handed: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    kept: list[dict[str, str]] = dataclasses.field(default_factory=list)
+
+
+# The last backward graphs' reports, newest last.
+reports: collections.deque[BackwardReport] = collections.deque(maxlen=64)
+
+
+def _op_name(node: fx.Node) -> str | None:
+    target = node.target
+    return target._schema.name if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) else None
+
+
+def _producer(node: fx.Node) -> fx.Node:
+    """The node that computes ``node``'s data: through views and through ``getitem`` of a multi-output node."""
+    while node.op == "call_function":
+        if node.target is operator.getitem:
+            node = node.args[0]  # type: ignore[assignment]
+        elif _op_name(node) in _VIEWS:
+            node = node.args[0]  # type: ignore[assignment]
+        else:
+            break
+    return node
+
+
+def _inductor_generates(op: torch._ops.OpOverload) -> bool:
+    """Whether Inductor computes ``op`` in code it generates (a lowering that is not a fallback to the op's kernel)."""
+    try:
+        from torch._inductor import lowering
+    except ImportError:  # pragma: no cover - Inductor absent: nothing to fuse with
+        return False
+    return op in lowering.lowerings and op not in lowering.fallbacks
+
+
+def fusible_producer(grad: fx.Node) -> tuple[bool, str]:
+    """Whether Inductor can fuse the activation backward with the kernel producing ``grad``, and why (for the report)."""
+    source = _producer(grad)
+    if source.op == "placeholder":
+        return False, f"the gradient is {source.name}, an input of the backward graph: nothing to fuse with"
+    name = _op_name(source)
+    if name is None:
+        return False, f"the gradient comes from {source.format_node() or source.name}, not an ATen op"
+    if not name.startswith(("aten::", "prims::")):
+        return False, f"the gradient comes from {name}, a kernel Inductor calls as it is"
+    if name in _LIBRARY_KERNELS or not _inductor_generates(source.target):  # type: ignore[arg-type]
+        return False, f"the gradient comes from {name}, a library kernel Inductor calls as it is"
+    return True, f"the gradient comes from {name}, which Inductor generates code for"
+
+
+def derivative(
+    grad_output: torch.Tensor, saved: torch.Tensor, activation: str, negative_slope: float, bias_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``convbias._activation_backward`` written with ATen's own backward ops: (dz, the bias gradient or None), dz in
+    the layout the op gives it. ``saved`` is what csrc/activation.h says the activation keeps (the output for relu,
+    sigmoid, tanh and leaky_relu with a non-negative slope; the pre-activation otherwise)."""
+    aten = torch.ops.aten
+    if activation == "relu":
+        grad_z = aten.threshold_backward(grad_output, saved, 0)
+    elif activation == "leaky_relu":
+        grad_z = aten.leaky_relu_backward(grad_output, saved, negative_slope, negative_slope >= 0)
+    elif activation in ("gelu", "gelu_tanh"):
+        grad_z = aten.gelu_backward(grad_output, saved, approximate="tanh" if activation == "gelu_tanh" else "none")
+    elif activation == "silu":
+        grad_z = aten.silu_backward(grad_output, saved)
+    elif activation == "sigmoid":
+        grad_z = aten.sigmoid_backward(grad_output, saved)
+    elif activation == "tanh":
+        grad_z = aten.tanh_backward(grad_output, saved)
+    elif activation == "identity":
+        grad_z = grad_output.clone()
+    else:
+        raise ValueError(f"convbias backend: no ATen derivative for activation {activation!r}")
+    from torch_convbias import _validation
+
+    grad_z = grad_z.contiguous(memory_format=_validation.activation_grad_memory_format(grad_output, saved))
+    return grad_z, (grad_z.sum((0, 2, 3)) if bias_grad else None)
+
+
+def _arguments(node: fx.Node) -> tuple[fx.Node, fx.Node, str, float, bool]:
+    names = ("grad_output", "saved", "activation", "negative_slope", "bias_grad")
+    values = dict(zip(names, node.args))
+    values.update(node.kwargs)
+    return (
+        values["grad_output"],  # type: ignore[return-value]
+        values["saved"],
+        str(values["activation"]),
+        float(values["negative_slope"]),  # type: ignore[arg-type]
+        bool(values["bias_grad"]),
+    )
+
+
+def _replace(graph: fx.Graph, node: fx.Node, grad: fx.Node, saved: fx.Node, activation: str, slope: float, bias_grad: bool) -> None:
+    """Replace ``node`` (and its ``getitem`` users) by :func:`derivative` traced with Inductor's decompositions on the
+    nodes' fake values, as Inductor's own pattern replacements are."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.pattern_matcher import fwd_only
+
+    example = [grad.meta["val"], saved.meta["val"]]
+    with detect_fake_mode(example) or contextlib.nullcontext():
+        traced = fwd_only(lambda g, s: derivative(g, s, activation, slope, bias_grad), example)
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    with graph.inserting_before(node):
+        outputs = graph.graph_copy(traced.graph, dict(zip(placeholders, (grad, saved))))
+    for user in list(node.users):
+        if user.op != "call_function" or user.target is not operator.getitem:
+            raise RuntimeError(f"convbias backend: unexpected use {user.format_node()} of {node.name}")
+        replacement = outputs[user.args[1]]  # type: ignore[index]
+        if replacement is None:
+            raise RuntimeError(f"convbias backend: {user.format_node()} reads a bias gradient {node.name} does not compute")
+        replacement.meta.update({k: v for k, v in user.meta.items() if k not in ("val", "tensor_meta")})
+        user.replace_all_uses_with(replacement)
+        graph.erase_node(user)
+    graph.erase_node(node)
+
+
+class ActivationBackwardPass(CustomGraphPass):
+    """Inductor's ``post_grad_custom_pre_pass`` under the convbias backend (the module docstring says what it does);
+    ``then`` is a pre-pass the caller had set, run after this one."""
+
+    def __init__(self, policy: str, then: Any = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"convbias backend: expected `convbias.activation_backward` in {POLICIES}, got {policy!r}")
+        self.policy, self.then = policy, then
+
+    def __call__(self, graph: fx.Graph) -> None:
+        target = torch.ops.convbias._activation_backward.default
+        nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is target]
+        if nodes:
+            report = BackwardReport()
+            for node in nodes:
+                grad, saved, activation, slope, bias_grad = _arguments(node)
+                if self.policy == "ours":
+                    fusible, why = False, "convbias.activation_backward='ours'"
+                elif self.policy == "inductor":
+                    fusible, why = True, "convbias.activation_backward='inductor'"
+                else:
+                    fusible, why = fusible_producer(grad)
+                entry = {"node": node.name, "activation": activation, "reason": why}
+                if fusible:
+                    _replace(graph, node, grad, saved, activation, slope, bias_grad)
+                    report.handed.append(entry)
+                    LOG.info("handed %s (%s backward) to Inductor: %s", node.name, activation, why)
+                else:
+                    report.kept.append(entry)
+                    LOG.info("kept %s (%s backward) on our kernel: %s", node.name, activation, why)
+            reports.append(report)
+            graph.lint()
+        if self.then is not None:
+            self.then(graph)
+
+    def uuid(self) -> Any:
+        """This file's contents and the policy, and the chained pass's uuid (None, no caching, when it has none)."""
+        chained = None
+        if self.then is not None:
+            chained = self.then.uuid() if isinstance(self.then, CustomGraphPass) else None
+            if chained is None:
+                return None
+        digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+        return (digest, self.policy, chained)
