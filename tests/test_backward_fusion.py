@@ -104,7 +104,8 @@ def test_auto_hands_over_the_activations_below_a_pool_and_keeps_the_one_below_a_
     assert compiler.reports[-1].count(activation="relu") == 3
     (report,) = compiler.backward_reports
     assert len(report.handed) == 2 and len(report.kept) == 1, report
-    assert "aten::convolution_backward" in report.kept[0]["reason"], report
+    # The next convolution's input gradient: ATen's convolution_backward (or an op of ours computing it).
+    assert re.search(r"aten::convolution_backward|convbias::", report.kept[0]["reason"]), report
     assert all("Inductor generates code for" in entry["reason"] for entry in report.handed), report
     assert op_calls(code) == 1  # only the kept one is still a call of our kernel
 
