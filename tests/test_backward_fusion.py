@@ -255,3 +255,19 @@ def test_cuda_bfloat16_pooled_network_hands_over_and_matches_eager() -> None:
     torch.testing.assert_close(actual, expected, rtol=3e-2, atol=3e-2)
     for p, g in zip(model.parameters(), eager):
         torch.testing.assert_close(p.grad, g, rtol=3e-2, atol=3e-2 * max(1.0, g.abs().max().item()))
+
+
+def test_a_derivative_that_fails_to_trace_keeps_our_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tracing ATen's derivative failing (here forced) is never the user's problem: our kernel stays, and says why."""
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("forced for the test")
+
+    monkeypatch.setattr(torch_convbias._backward_fusion, "derivative", broken)
+    torch.manual_seed(0)
+    model = pooled_network()
+    code = train_against_float64(model, compile_with(model, "inductor"), torch.randn(2, 3, 8, 8))
+    (report,) = compiler.backward_reports
+    assert report.handed == [] and len(report.kept) == 3
+    assert all("could not trace ATen's derivative (RuntimeError: forced for the test)" in e["reason"] for e in report.kept)
+    assert op_calls(code) == 3

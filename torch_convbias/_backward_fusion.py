@@ -82,13 +82,8 @@ def _op_name(node: fx.Node) -> str | None:
 
 def _producer(node: fx.Node) -> fx.Node:
     """The node that computes ``node``'s data: through views and through ``getitem`` of a multi-output node."""
-    while node.op == "call_function":
-        if node.target is operator.getitem:
-            node = node.args[0]  # type: ignore[assignment]
-        elif _op_name(node) in _VIEWS:
-            node = node.args[0]  # type: ignore[assignment]
-        else:
-            break
+    while node.op == "call_function" and (node.target is operator.getitem or _op_name(node) in _VIEWS):
+        node = node.args[0]  # type: ignore[assignment]
     return node
 
 
@@ -158,28 +153,38 @@ def _arguments(node: fx.Node) -> tuple[fx.Node, fx.Node, str, float, bool]:
     )
 
 
-def _replace(graph: fx.Graph, node: fx.Node, grad: fx.Node, saved: fx.Node, activation: str, slope: float, bias_grad: bool) -> None:
-    """Replace ``node`` (and its ``getitem`` users) by :func:`derivative` traced with Inductor's decompositions on the
-    nodes' fake values, as Inductor's own pattern replacements are."""
+def _trace(grad: fx.Node, saved: fx.Node, activation: str, slope: float, bias_grad: bool) -> fx.GraphModule:
+    """:func:`derivative` traced with Inductor's decompositions on the nodes' fake values, as Inductor's own pattern
+    replacements are traced."""
     from torch._guards import detect_fake_mode
     from torch._inductor.pattern_matcher import fwd_only
 
     example = [grad.meta["val"], saved.meta["val"]]
     with detect_fake_mode(example) or contextlib.nullcontext():
-        traced = fwd_only(lambda g, s: derivative(g, s, activation, slope, bias_grad), example)
+        return fwd_only(lambda g, s: derivative(g, s, activation, slope, bias_grad), example)
+
+
+def _replace(graph: fx.Graph, node: fx.Node, traced: fx.GraphModule, grad: fx.Node, saved: fx.Node) -> None:
+    """Replace ``node`` (and its ``getitem`` users) by the nodes of ``traced``."""
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     with graph.inserting_before(node):
         outputs = graph.graph_copy(traced.graph, dict(zip(placeholders, (grad, saved))))
     for user in list(node.users):
-        if user.op != "call_function" or user.target is not operator.getitem:
-            raise RuntimeError(f"convbias backend: unexpected use {user.format_node()} of {node.name}")
         replacement = outputs[user.args[1]]  # type: ignore[index]
-        if replacement is None:
-            raise RuntimeError(f"convbias backend: {user.format_node()} reads a bias gradient {node.name} does not compute")
         replacement.meta.update({k: v for k, v in user.meta.items() if k not in ("val", "tensor_meta")})
         user.replace_all_uses_with(replacement)
         graph.erase_node(user)
     graph.erase_node(node)
+
+
+def _replaceable(node: fx.Node, bias_grad: bool) -> str:
+    """Why ``node``'s uses cannot be rewired to a traced replacement ("" when they can)."""
+    for user in node.users:
+        if user.op != "call_function" or user.target is not operator.getitem or user.args[1] not in (0, 1):
+            return f"{node.name} is used by {user.format_node()}, not an element of its result"
+        if user.args[1] == 1 and not bias_grad:
+            return f"{user.format_node()} reads a bias gradient {node.name} does not compute"
+    return ""
 
 
 class ActivationBackwardPass(CustomGraphPass):
@@ -197,32 +202,47 @@ class ActivationBackwardPass(CustomGraphPass):
         if nodes:
             report = BackwardReport()
             for node in nodes:
-                grad, saved, activation, slope, bias_grad = _arguments(node)
-                if self.policy == "ours":
-                    fusible, why = False, "convbias.activation_backward='ours'"
-                elif self.policy == "inductor":
-                    fusible, why = True, "convbias.activation_backward='inductor'"
-                else:
-                    fusible, why = fusible_producer(grad)
-                entry = {"node": node.name, "activation": activation, "reason": why}
-                if fusible:
-                    _replace(graph, node, grad, saved, activation, slope, bias_grad)
+                traced, why = self._replacement(node)
+                entry = {"node": node.name, "activation": str(_arguments(node)[2]), "reason": why}
+                if traced is not None:
+                    grad, saved = _arguments(node)[:2]
+                    _replace(graph, node, traced, grad, saved)
                     report.handed.append(entry)
-                    LOG.info("handed %s (%s backward) to Inductor: %s", node.name, activation, why)
+                    LOG.info("handed %s (%s backward) to Inductor: %s", entry["node"], entry["activation"], why)
                 else:
                     report.kept.append(entry)
-                    LOG.info("kept %s (%s backward) on our kernel: %s", node.name, activation, why)
+                    LOG.info("kept %s (%s backward) on our kernel: %s", entry["node"], entry["activation"], why)
             reports.append(report)
             graph.lint()
         if self.then is not None:
             self.then(graph)
 
+    def _replacement(self, node: fx.Node) -> tuple[fx.GraphModule | None, str]:
+        """ATen's derivative traced for ``node`` when it is to be handed over (else None), and why."""
+        grad, saved, activation, slope, bias_grad = _arguments(node)
+        if self.policy == "ours":
+            return None, "convbias.activation_backward='ours'"
+        why = "convbias.activation_backward='inductor'"
+        if self.policy == "auto":
+            fusible, why = fusible_producer(grad)
+            if not fusible:
+                return None, why
+        refusal = _replaceable(node, bias_grad)
+        if refusal:
+            return None, refusal
+        try:
+            return _trace(grad, saved, activation, slope, bias_grad), why
+        except Exception as error:  # noqa: BLE001 - our kernel is always a correct fallback
+            return None, f"could not trace ATen's derivative ({type(error).__name__}: {error})"
+
     def uuid(self) -> Any:
-        """This file's contents and the policy, and the chained pass's uuid (None, no caching, when it has none)."""
+        """Inductor's cache key of the pass: the code it runs, the policy, and the chained pass's uuid (None, no caching, when it has none)."""
         chained = None
         if self.then is not None:
             chained = self.then.uuid() if isinstance(self.then, CustomGraphPass) else None
             if chained is None:
                 return None
-        digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
-        return (digest, self.policy, chained)
+        digest = hashlib.sha256()
+        for source in (Path(__file__), Path(__file__).with_name("_validation.py")):  # derivative() calls the latter
+            digest.update(source.read_bytes())
+        return (digest.hexdigest(), self.policy, chained)
