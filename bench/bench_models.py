@@ -18,7 +18,9 @@ A training step is forward, cross-entropy loss, backward and an SGD step (foreac
 ``torch.inference_mode()``. Per variant: ``gpu_ms``, the GPU kernel time of one step (profiler sums, the work
 itself: a compiled step of a small model measures the host otherwise), and ``step_ms``, steps queued back to back
 (the rate a loop gets). Ratios are the strongest nn side over ours (> 1: ours is faster), on GPU time.
-``gpu_kernels``: per variant, the kernels that take most of that time (ms per step), to see where the sides differ;
+``gpu_kernels``: per variant, the kernels that take most of that time (ms per step), and ``gpu_kernel_groups`` all
+of it by kind (our kernels, convolution fprop / dgrad / wgrad, GEMMs, Inductor's Triton, ATen's), to see where the
+sides differ;
 ``backward_fusion``: how many activation backwards the backend handed to Inductor and kept on our kernel.
 
 Numerics: each variant's logits (first call, before any parameter update, eval mode) against the nn model run in
@@ -112,6 +114,31 @@ def variants(
         out["ours_backend_kernel_bwd"] = torch.compile(copy.deepcopy(model), backend="convbias", options=kept)
         names.append("ours_backend_kernel_bwd")
     return {name: out[name] for name in names}
+
+
+# Kernel groups of a row's gpu_kernel_groups: the first group whose words a kernel's name contains (lower case).
+KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("ours", ("convbias",)),
+    ("conv_dgrad", ("dgrad",)),
+    ("conv_wgrad", ("wgrad",)),
+    ("conv_fprop", ("fprop", "conv", "cudnn")),
+    ("gemm", ("gemm", "nvjet", "cublas", "cutlass")),
+    ("inductor", ("triton",)),
+    ("aten", ("at::native", "at::", "elementwise", "reduce")),
+)
+
+
+def kernel_groups(kernels: dict[str, float] | None, calls: int) -> dict[str, float] | None:
+    """GPU time per step (ms) of a profile's kernels by what they do (KERNEL_GROUPS; the rest as "other"): where two
+    variants differ, at a glance."""
+    if kernels is None:
+        return None
+    groups: dict[str, float] = {}
+    for name, ms in kernels.items():
+        lower = name.lower()
+        group = next((g for g, words in KERNEL_GROUPS if any(w in lower for w in words)), "other")
+        groups[group] = groups.get(group, 0.0) + ms / calls
+    return dict(sorted(groups.items(), key=lambda item: -item[1]))
 
 
 def top_kernels(kernels: dict[str, float] | None, calls: int) -> dict[str, float] | None:
@@ -209,6 +236,7 @@ def measure(name: str, phase: str, mode: common.Mode, args: argparse.Namespace) 
     row["step_ms"] = {v: rates[v]["median_ms"] for v in steps}
     row["gpu_ms"] = {v: (sum(k.values()) / args.calls if k is not None else None) for v, k in kernels.items()}
     row["gpu_kernels"] = {v: top_kernels(k, args.calls) for v, k in kernels.items()}
+    row["gpu_kernel_groups"] = {v: kernel_groups(k, args.calls) for v, k in kernels.items()}
     reports = list(torch_convbias.compiler.reports)
     row["rewrites"] = reports[-1].count() if reports else None
     # What the backend's last graph holds: convolutions rewritten with an activation, a folded batch norm, a residual

@@ -40,3 +40,22 @@ def test_models_benchmark_runs_every_variant_on_cpu(tmp_path: Path) -> None:
     assert rows["train"]["backward_fusion"]["handed"] == 1 and rows["train"]["backward_fusion"]["kept"] == 1
     assert "convolution_backward" in rows["train"]["backward_fusion"]["kept_why"][0]
     assert rows["infer"]["backward_fusion"] is None
+
+
+def test_kernel_groups_sort_profiler_names_by_kind() -> None:
+    kernels = {
+        "sm90_xmma_dgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc": 3.0,
+        "sm90_xmma_wgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc": 2.0,
+        "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc": 4.0,
+        "void convbias::cuda::(anonymous namespace)::column_partial_sums<float, 8, true>(...)": 1.0,
+        "triton_red_fused_max_pool2d_with_indices_backward_sum_threshold_backward_0": 0.5,
+        "nvjet_hsh_192x128_64x4_2x1_v_bz_coopA_TNN": 0.25,
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(...)": 0.125,
+        "Memcpy DtoD (Device -> Device)": 0.0625,
+    }
+    groups = bench_models.kernel_groups(kernels, calls=2)
+    assert groups == {
+        "conv_fprop": 2.0, "conv_dgrad": 1.5, "conv_wgrad": 1.0, "ours": 0.5, "inductor": 0.25, "gemm": 0.125,
+        "aten": 0.0625, "other": 0.03125,
+    }  # fmt: skip
+    assert bench_models.kernel_groups(None, calls=2) is None
