@@ -218,11 +218,11 @@ def measure(name: str, phase: str, mode: common.Mode, args: argparse.Namespace) 
     row: dict[str, Any] = {"model": name, "phase": phase, "mode": mode.name, "batch": batch, "side": side}
     # Inductor's caches off: every variant compiles here, so that the backend's pass reports what it did (a graph from
     # the cache would skip it); the timings do not depend on it.
-    no_caches = (
+    with (
+        common.mode_flags(mode, cudnn_benchmark=True),
         torch._inductor.config.patch(fx_graph_cache=False),
         torch._functorch.config.patch(enable_autograd_cache=False),
-    )
-    with common.mode_flags(mode, cudnn_benchmark=True), no_caches[0], no_caches[1]:
+    ):
         # Training rows check the eager variants only: checking a compiled one there would compile it once more (eval
         # mode, no gradients); the inference rows check the compiled graphs, rewritten the same way.
         checked = fns if phase == "infer" else {v: fns[v] for v in ("nn_eager", "ours_eager")}

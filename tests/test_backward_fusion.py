@@ -12,6 +12,7 @@ the eager model.
 from __future__ import annotations
 
 import copy
+import operator
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -271,3 +272,22 @@ def test_a_derivative_that_fails_to_trace_keeps_our_kernel(monkeypatch: pytest.M
     assert report.handed == [] and len(report.kept) == 3
     assert all("could not trace ATen's derivative (RuntimeError: forced for the test)" in e["reason"] for e in report.kept)
     assert op_calls(code) == 3
+
+
+@pytest.mark.parametrize(
+    ("use", "bias_grad", "reason"),
+    [
+        ("whole", True, "not an element of its result"),  # the op's result tuple itself escapes: nothing to rewire it to
+        ("bias", False, "reads a bias gradient"),  # a graph reading a bias gradient the op was not asked for
+    ],
+)
+def test_uses_other_than_the_ops_two_results_keep_our_kernel(use: str, bias_grad: bool, reason: str) -> None:
+    """Graphs Inductor would not give the pass, built by hand: the pass leaves them as they are and says why."""
+    graph = torch.fx.Graph()
+    grad, saved = graph.placeholder("grad"), graph.placeholder("saved")
+    node = graph.call_function(torch.ops.convbias._activation_backward.default, (grad, saved, "relu", 0.01, bias_grad))
+    graph.output(node if use == "whole" else graph.call_function(operator.getitem, (node, 1)))
+    torch_convbias._backward_fusion.ActivationBackwardPass("inductor")(graph)
+    (report,) = compiler.backward_reports
+    assert report.handed == [] and len(report.kept) == 1 and reason in report.kept[0]["reason"], report
+    assert node in graph.nodes

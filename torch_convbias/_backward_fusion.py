@@ -192,9 +192,7 @@ class ActivationBackwardPass(CustomGraphPass):
     ``then`` is a pre-pass the caller had set, run after this one."""
 
     def __init__(self, policy: str, then: Any = None) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"convbias backend: expected `convbias.activation_backward` in {POLICIES}, got {policy!r}")
-        self.policy, self.then = policy, then
+        self.policy, self.then = policy, then  # policy: one of POLICIES (the backend checked it)
 
     def __call__(self, graph: fx.Graph) -> None:
         target = torch.ops.convbias._activation_backward.default
@@ -202,24 +200,25 @@ class ActivationBackwardPass(CustomGraphPass):
         if nodes:
             report = BackwardReport()
             for node in nodes:
-                traced, why = self._replacement(node)
-                entry = {"node": node.name, "activation": str(_arguments(node)[2]), "reason": why}
+                grad, saved, activation, slope, bias_grad = _arguments(node)
+                traced, why = self._replacement(node, grad, saved, activation, slope, bias_grad)
+                entry = {"node": node.name, "activation": activation, "reason": why}
                 if traced is not None:
-                    grad, saved = _arguments(node)[:2]
                     _replace(graph, node, traced, grad, saved)
                     report.handed.append(entry)
-                    LOG.info("handed %s (%s backward) to Inductor: %s", entry["node"], entry["activation"], why)
+                    LOG.info("handed %s (%s backward) to Inductor: %s", node.name, activation, why)
                 else:
                     report.kept.append(entry)
-                    LOG.info("kept %s (%s backward) on our kernel: %s", entry["node"], entry["activation"], why)
+                    LOG.info("kept %s (%s backward) on our kernel: %s", node.name, activation, why)
             reports.append(report)
             graph.lint()
         if self.then is not None:
             self.then(graph)
 
-    def _replacement(self, node: fx.Node) -> tuple[fx.GraphModule | None, str]:
+    def _replacement(
+        self, node: fx.Node, grad: fx.Node, saved: fx.Node, activation: str, slope: float, bias_grad: bool
+    ) -> tuple[fx.GraphModule | None, str]:
         """ATen's derivative traced for ``node`` when it is to be handed over (else None), and why."""
-        grad, saved, activation, slope, bias_grad = _arguments(node)
         if self.policy == "ours":
             return None, "convbias.activation_backward='ours'"
         why = "convbias.activation_backward='inductor'"
