@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     merged = merge(into, runs, args.note)
     common.write_json(merged, None, args.into.stem, args.into)
     print(f"{args.into}: {len(merged['rows'])} rows from {len(merged['merged_runs'])} runs")
-    if resummarize.NAME.match(args.into.name) and "residual" not in args.into.name:
+    if resummarize.summarizable(args.into):
         resummarize.resummarize(args.into)
     return 0
 

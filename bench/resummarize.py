@@ -21,10 +21,16 @@ from bench import bench_forward, bench_layerwise, common, harness
 NAME = re.compile(r"^(forward|layerwise)_([a-z_]+?)-")
 
 
+def summarizable(path: Path) -> bool:
+    """Whether the file holds a forward_<activation> / layerwise_<activation> run (forward_residual has no spec here)."""
+    match = NAME.match(path.name)
+    return match is not None and match.group(2) != "residual"
+
+
 def spec_of(path: Path) -> harness.Spec:
     """The spec the file's rows were measured under, from its name (forward_<activation>-<gpu>.json, ...)."""
     match = NAME.match(path.name)
-    if match is None or match.group(2) == "residual":
+    if match is None or not summarizable(path):
         raise SystemExit(f"resummarize: {path.name} is not a forward_<activation> or layerwise_<activation> result")
     bench, activation = match.groups()
     if bench == "forward":
