@@ -291,3 +291,21 @@ def test_uses_other_than_the_ops_two_results_keep_our_kernel(use: str, bias_grad
     (report,) = compiler.backward_reports
     assert report.handed == [] and len(report.kept) == 1 and reason in report.kept[0]["reason"], report
     assert node in graph.nodes
+
+
+def test_identity_handed_over_is_the_gradient_itself_and_its_sum() -> None:
+    """The op called directly with activation "identity" (the C++ autograd never does): the pass sees it in any graph
+    Inductor compiles; handed over, dz is g (a copy in the op's layout) and the bias gradient g summed over N, H, W."""
+
+    def f(g: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.convbias._activation_backward(g, y, "identity", 0.01, True)
+
+    g = torch.randn(2, 4, 3, 3).contiguous(memory_format=torch.channels_last)
+    y = torch.randn(2, 4, 3, 3).contiguous(memory_format=torch.channels_last)
+    compiled = torch.compile(f, backend="convbias", options={"convbias.activation_backward": "inductor"}, fullgraph=True)
+    (grad_z, grad_bias), code = run_and_get_code(compiled, g, y)
+    (report,) = compiler.backward_reports
+    assert [entry["activation"] for entry in report.handed] == ["identity"] and op_calls(code) == 0
+    torch.testing.assert_close(grad_z, g, rtol=0, atol=0)
+    assert grad_z.is_contiguous(memory_format=torch.channels_last) and grad_z.data_ptr() != g.data_ptr()
+    torch.testing.assert_close(grad_bias.double(), g.double().sum((0, 2, 3)), rtol=1e-6, atol=1e-6)
