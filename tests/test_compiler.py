@@ -461,6 +461,30 @@ def test_log_switch_in_a_fresh_process() -> None:
     assert "[torch_convbias.compile] rewrote" in result.stderr and "activation silu" in result.stderr
 
 
+@pytest.mark.parametrize("switch", ["TORCH_LOGS", "set_logs"])
+def test_torch_logging_system_shows_the_rewrites(switch: str) -> None:
+    """torch's own logging system turns the log on too: ``TORCH_LOGS=torch_convbias`` or
+    ``torch._logging.set_logs(modules={"torch_convbias": logging.INFO})`` (the package name as a module log), and the
+    lines come out in torch's format, each rewrite and each candidate left alone with the reason."""
+    enable = "torch._logging.set_logs(modules={'torch_convbias': logging.INFO})\n" if switch == "set_logs" else ""
+    script = (
+        "import logging, torch, torch_convbias\n"
+        + enable
+        + "m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.GELU(), torch.nn.Conv2d(4, 4, 3, bias=False))\n"
+        "opts = {'convbias.devices': ('cpu', 'cuda'), 'convbias.inner': 'aot_eager'}\n"
+        "torch.compile(m, backend='convbias', options=opts)(torch.randn(1, 3, 8, 8))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_LOGS", "TORCH_CONVBIAS_COMPILE_LOG")}
+    if switch == "TORCH_LOGS":
+        env["TORCH_LOGS"] = "torch_convbias"
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if "torch_convbias/compiler.py" in line]
+    assert any("into convbias.forward (activation gelu" in line for line in lines), result.stderr[-3000:]
+    assert any("no bias, batch norm or activation to fuse" in line for line in lines), result.stderr[-3000:]
+    assert "[torch_convbias.compile]" not in result.stderr  # our own switch's format: not asked for here
+
+
 def test_autocast_region_is_rewritten_and_matches_eager_autocast() -> None:
     """Under CPU autocast (bfloat16) the rewritten op casts as nn.Conv2d does: same dtype, close values."""
     torch.manual_seed(0)
