@@ -1,7 +1,12 @@
 """torch.library.opcheck on the ops (forward, forward_residual, param_grad: schema, autograd registration, fake tensors,
-AOT dispatch), torch.compile(fullgraph=True) of a model built from ConvBias2d layers, and torch.export."""
+AOT dispatch), torch.compile(fullgraph=True) of a model built from ConvBias2d layers, torch.export, and AOTInductor
+packages."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +17,8 @@ from torch import nn
 
 import torch_convbias
 from torch_convbias import ConvBias2d
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SAMPLE_CASES = [
     Case(2, 4, 8, 7, 6, (3, 3), (1, 1), (1, 1), (1, 1), 1, True, False),
@@ -159,6 +166,53 @@ def test_export_keeps_forward_residual_with_dynamic_batch(device: str) -> None:
         x = torch.randn(n, 4, 8, 8, device=device)
         expected = F.relu(F.conv2d(x, model.conv.weight, model.conv.bias, padding=1) + x)
         torch.testing.assert_close(program.module()(x), expected, rtol=1e-4, atol=1e-4)
+
+
+class Deployable(nn.Module):
+    """Two fused layers, the second ending a residual block: convbias.forward and convbias.forward_residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = ConvBias2d(3, 8, 3, padding=1, activation="relu")
+        self.conv2 = ConvBias2d(8, 8, 3, padding=1, activation="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv1(x)
+        return self.conv2(y, residual=y)
+
+
+_LOAD_AND_RUN = """
+import sys, torch, torch_convbias
+runner = torch._inductor.aoti_load_package(sys.argv[1])
+inputs = torch.load(sys.argv[2])
+torch.save([runner(x) for x in inputs], sys.argv[3])
+"""
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_aot_inductor_package_runs_in_a_fresh_process(device: str, tmp_path: Path) -> None:
+    """Deployment without Python model code: torch.export, then AOTInductor compiles and packages the program with
+    the ops inside (called through the dispatcher); a fresh process that imports torch_convbias loads the package and
+    runs other batch sizes, equal to F.conv2d computed from the same parameters."""
+    torch.manual_seed(0)
+    model = Deployable().to(device).eval()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(model, (torch.randn(4, 3, 10, 10, device=device),), dynamic_shapes={"x": {0: batch}})
+    package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "deployable.pt2"))
+    inputs = [torch.randn(n, 3, 10, 10, device=device) for n in (1, 7)]
+    torch.save(inputs, tmp_path / "inputs.pt")
+    result = subprocess.run(
+        [sys.executable, "-c", _LOAD_AND_RUN, package, str(tmp_path / "inputs.pt"), str(tmp_path / "outputs.pt")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    outputs = torch.load(tmp_path / "outputs.pt")
+    c1, c2 = model.conv1, model.conv2
+    for x, actual in zip(inputs, outputs):
+        y = F.relu(F.conv2d(x, c1.weight, c1.bias, padding=1))
+        expected = F.relu(F.conv2d(y, c2.weight, c2.bias, padding=1) + y)
+        assert actual.shape == expected.shape
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
