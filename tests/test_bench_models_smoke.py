@@ -42,6 +42,29 @@ def test_models_benchmark_runs_every_variant_on_cpu(tmp_path: Path) -> None:
     assert rows["infer"]["backward_fusion"] is None
 
 
+def test_frozen_variants_really_freeze() -> None:
+    """nn_frozen and ours_backend_frozen: Inductor's freezing takes effect (parameters become constants in the
+    generated code) through bench_models.Frozen; torch.compile's options={"freezing": True} alone, which the benchmark
+    used before, does not (the reason for the wrapper)."""
+    import warnings
+
+    import torch
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = bench_models.tiny().eval()
+    x = torch.randn(2, 3, 16, 16)
+    fns = bench_models.variants(model, "infer", "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the backend's own warning about that option
+        unfrozen = torch.compile(bench_models.tiny().eval(), options={"freezing": True})
+    for name, fn, frozen in (("nn_frozen", fns["nn_frozen"], True), ("ours_backend_frozen", fns["ours_backend_frozen"], True), ("options only", unfrozen, False)):
+        torch._dynamo.reset()
+        with torch.inference_mode(), torch._inductor.config.patch(fx_graph_cache=False):
+            _, code = run_and_get_code(fn, x)
+        assert ("_frozen_param" in "\n".join(code)) is frozen, name
+
+
 def test_kernel_groups_sort_profiler_names_by_kind() -> None:
     kernels = {
         "sm90_xmma_dgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc": 3.0,

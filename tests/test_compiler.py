@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tomllib
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -278,6 +279,54 @@ def test_batchnorm_is_folded_for_inference() -> None:
     with torch.no_grad():
         model[1].running_mean.add_(0.25)
         check_against_float64(model, compiled, x, grads=False)
+
+
+def compile_inference_code(model: nn.Module, x: torch.Tensor, *, frozen: bool, **options: Any) -> tuple[torch.Tensor, str]:
+    """The backend compiling ``model`` (CPU convolutions included, Inductor) and its first call under no_grad, with
+    Inductor's freezing set globally (``frozen``) or not; the output and the generated code."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="convbias", options={"convbias.devices": ("cpu", "cuda"), **options})
+    with torch.no_grad(), torch._inductor.config.patch(freezing=frozen, fx_graph_cache=False):
+        out, code = run_and_get_code(compiled, x)
+    return out, "\n".join(code)
+
+
+def test_freezing_turns_the_folded_batchnorm_into_constants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under Inductor's freezing (set globally, as Dynamo reads it while tracing) the parameters and the batch norm
+    folded into the convolution become constants computed once at compile time; without it the fold is computed
+    from the live statistics on every call (rsqrt of the running variance in the generated code)."""
+    monkeypatch.setattr(compiler, "_FREEZING_WARNED", False)
+    torch.manual_seed(0)
+    model = residual_net().eval()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        expected = copy.deepcopy(model).double()(x.double())
+    for frozen in (False, True):
+        out, code = compile_inference_code(model, x, frozen=frozen)
+        assert compiler.reports[-1].count(batchnorm=True) == 5
+        assert code.count("torch.ops.convbias.forward") >= 3  # the op in the generated code (forward and _residual)
+        assert ("_frozen_param" in code) is frozen and ("rsqrt" in code) is not frozen, code[-3000:]
+        torch.testing.assert_close(out, expected.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_freezing_only_in_the_options_warns_that_it_freezes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``options={"freezing": True}`` alone leaves the parameters graph inputs (Dynamo decided while tracing): the
+    backend says so once, in inference; not in training, nor when freezing is set globally."""
+    monkeypatch.setattr(compiler, "_FREEZING_WARNED", False)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 6, 6)
+    with pytest.warns(UserWarning, match=r"options=\{'freezing': True\} freezes no parameter.*config.freezing = True"):
+        _, code = compile_inference_code(model, x, frozen=False, freezing=True)
+    assert "_frozen_param" not in code  # what the warning says
+    monkeypatch.setattr(compiler, "_FREEZING_WARNED", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, code = compile_inference_code(model, x, frozen=True, freezing=True)
+        assert "_frozen_param" in code
+        torch._dynamo.reset()
+        torch.compile(model.train(), backend="convbias", options={"convbias.devices": ("cpu",), "freezing": True})(x)
 
 
 def test_batchnorm_is_not_folded_while_training() -> None:

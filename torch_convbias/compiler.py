@@ -41,6 +41,10 @@ Backend options (keys of ``options`` starting with ``convbias.``, removed before
   kernel produces the gradient and its derivative; elsewhere our fused kernel runs. ``"ours"``: always our kernel;
   ``"inductor"``: always Inductor's (torch_convbias/_backward_fusion.py; :data:`backward_reports`);
 * ``convbias.inner``: the backend that compiles the rewritten graph, default ``"inductor"``.
+
+Inductor's freezing (deployment: parameters, and so the folded batch norms, become constants) needs
+``torch._inductor.config.freezing`` set while Dynamo traces; ``options={"freezing": True}`` alone freezes nothing,
+and the backend warns once when it sees it so in inference.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import inspect
 import logging
 import operator
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -621,6 +626,29 @@ def _inductor(mode: str | None, options: dict[str, Any]) -> Callable[..., Any]:
     return lambda gm, inputs: compile_fx(gm, inputs, config_patches=patches)
 
 
+_FREEZING_WARNED = False
+
+
+def _warn_if_freezing_only_in_options(options: dict[str, Any]) -> None:
+    """``options={"freezing": True}`` freezes nothing under torch.compile, ours or Inductor's: Dynamo decides when it
+    traces, from the global ``torch._inductor.config.freezing``, whether parameters may become constants, and by the
+    time a backend sees the options they are graph inputs. Said once per process, in inference (where freezing acts)."""
+    global _FREEZING_WARNED
+    import torch._inductor.config as inductor_config
+
+    if _FREEZING_WARNED or not options.get("freezing") or inductor_config.freezing or torch.is_grad_enabled():
+        return
+    _FREEZING_WARNED = True
+    warnings.warn(
+        "convbias backend: options={'freezing': True} freezes no parameter (Dynamo decides while tracing, from "
+        "torch._inductor.config.freezing, whether parameters may become constants; the same holds for Inductor's own "
+        "backend). Set torch._inductor.config.freezing = True, or call the compiled model inside "
+        "torch._inductor.config.patch(freezing=True), for parameters and folded batch norms to become constants.",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
 def convbias_backend(
     gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None, options: dict[str, Any] | None = None
 ) -> Callable[..., Any]:
@@ -631,6 +659,7 @@ def convbias_backend(
     config = _config_from(ours)
     _rewrite(gm, config)
     if config.inner == "inductor":
+        _warn_if_freezing_only_in_options(options)
         if config.activation_backward != "ours":
             # Chained: a pre-pass the caller set (in options, else in Inductor's config) still runs, after ours.
             import torch._inductor.config as inductor_config
