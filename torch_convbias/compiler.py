@@ -26,7 +26,8 @@ tensor of exactly the output's shape, dtype and device (no broadcasting, no type
 the convolution's layout, an in-place add writes into the convolution's output (not into the other operand), and no
 in-place operation, grad mode or autocast switch runs between the convolution and the add (the fused op reads its
 operands where the add stood). ``TORCH_CONVBIAS_COMPILE_LOG=1`` logs every rewrite and every candidate left alone
-with the reason (logger ``torch_convbias.compile``, so ``TORCH_LOGS=torch_convbias`` shows it too, in torch's format); :data:`reports` keeps the last graphs' :class:`RewriteReport`.
+with the reason (logger ``torch_convbias.compile``, so ``TORCH_LOGS=torch_convbias`` shows it too, in torch's
+format); :data:`reports` keeps the last graphs' :class:`RewriteReport`.
 
 Backend options (keys of ``options`` starting with ``convbias.``, removed before Inductor sees the rest):
 
