@@ -224,8 +224,12 @@ def op_library() -> CUDAExtension:
     """
     cudnn_include, cudnn_lib = cudnn_dirs()
     frontend_include = cudnn_frontend_include()
-    # Last, so that a full toolkit's headers win over the wheel's when both exist.
-    extra_includes = [str(nvrtc_include())]
+    # nvrtc.h's folder: the toolkit's, or the NVRTC wheel's (nvidia/cu13/include), which also holds the CUDA runtime's
+    # headers of that wheel's version (and cusparse.h, cublas*.h, ... that ATen's CUDA headers need and a minimal
+    # toolkit lacks). Searched after the toolkit's own include folder (CUDAExtension adds it with -I, after ours): the
+    # wheel only fills what the toolkit lacks, and never shadows its runtime headers (nvcc refuses headers of another
+    # version: torch 2.15's cu132 wheels with nvcc 13.0).
+    after_toolkit = [str(nvrtc_include())]
     sources = sorted(
         str(p.relative_to(ROOT))
         for p in (ROOT / "csrc").rglob("*")
@@ -236,10 +240,18 @@ def op_library() -> CUDAExtension:
     library = CUDAExtension(
         name="torch_convbias.libtorch_convbias",
         sources=sources,
-        include_dirs=[str(ROOT / "csrc"), str(cudnn_include), str(frontend_include), *extra_includes],
+        include_dirs=[str(ROOT / "csrc"), str(cudnn_include), str(frontend_include)],
         # The C++ standard is left to torch (C++17 or C++20 depending on its version).
         # --extended-lambda: ATen's gpu_kernel (cuda/bias_activation.cu) launches __host__ __device__ lambdas.
-        extra_compile_args={"cxx": opt, "nvcc": [*opt, "--extended-lambda"]},
+        extra_compile_args={
+            "cxx": [*opt, *(f"-idirafter{d}" for d in after_toolkit)],
+            "nvcc": [
+                *opt,
+                "--extended-lambda",
+                *(flag for d in after_toolkit for flag in ("-isystem", d)),
+                *(f"-Xcompiler=-idirafter{d}" for d in after_toolkit),
+            ],
+        },
         extra_link_args=cudnn_link_args(cudnn_lib) + nvrtc_link_args() + torch_rpath_args(),
         py_limited_api=False,
     )
