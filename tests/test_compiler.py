@@ -497,17 +497,25 @@ def test_rewrites_and_skips_are_logged(caplog: pytest.LogCaptureFixture) -> None
     assert any("no bias, batch norm or activation to fuse" in m for m in messages), messages
 
 
-def test_log_switch_in_a_fresh_process() -> None:
+def compile_logged_in_a_fresh_process(layers: str, env: dict[str, str], setup: str = "") -> str:
+    """A fresh process compiling ``nn.Sequential(<layers>)`` on CPU tensors with the backend (AOT eager) under ``env``,
+    after ``setup``; its stderr, where the log goes."""
     script = (
-        "import torch, torch_convbias\n"
-        "m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.SiLU())\n"
+        "import logging, torch, torch_convbias\n"
+        f"{setup}"
+        f"m = torch.nn.Sequential({layers})\n"
         "opts = {'convbias.devices': ('cpu', 'cuda'), 'convbias.inner': 'aot_eager'}\n"
-        "torch.compile(m, backend='convbias', options=opts)(torch.randn(1, 3, 6, 6))\n"
+        "torch.compile(m, backend='convbias', options=opts)(torch.randn(1, 3, 8, 8))\n"
     )
-    env = {**os.environ, "TORCH_CONVBIAS_COMPILE_LOG": "1"}
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "[torch_convbias.compile] rewrote" in result.stderr and "activation silu" in result.stderr
+    return result.stderr
+
+
+def test_log_switch_in_a_fresh_process() -> None:
+    env = {**os.environ, "TORCH_CONVBIAS_COMPILE_LOG": "1"}
+    stderr = compile_logged_in_a_fresh_process("torch.nn.Conv2d(3, 4, 3), torch.nn.SiLU()", env)
+    assert "[torch_convbias.compile] rewrote" in stderr and "activation silu" in stderr
 
 
 @pytest.mark.parametrize("switch", ["TORCH_LOGS", "set_logs"])
@@ -515,23 +523,16 @@ def test_torch_logging_system_shows_the_rewrites(switch: str) -> None:
     """torch's own logging system turns the log on too: ``TORCH_LOGS=torch_convbias`` or
     ``torch._logging.set_logs(modules={"torch_convbias": logging.INFO})`` (the package name as a module log), and the
     lines come out in torch's format, each rewrite and each candidate left alone with the reason."""
-    enable = "torch._logging.set_logs(modules={'torch_convbias': logging.INFO})\n" if switch == "set_logs" else ""
-    script = (
-        "import logging, torch, torch_convbias\n"
-        + enable
-        + "m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.GELU(), torch.nn.Conv2d(4, 4, 3, bias=False))\n"
-        "opts = {'convbias.devices': ('cpu', 'cuda'), 'convbias.inner': 'aot_eager'}\n"
-        "torch.compile(m, backend='convbias', options=opts)(torch.randn(1, 3, 8, 8))\n"
-    )
     env = {k: v for k, v in os.environ.items() if k not in ("TORCH_LOGS", "TORCH_CONVBIAS_COMPILE_LOG")}
     if switch == "TORCH_LOGS":
         env["TORCH_LOGS"] = "torch_convbias"
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line for line in result.stderr.splitlines() if "torch_convbias/compiler.py" in line]
-    assert any("into convbias.forward (activation gelu" in line for line in lines), result.stderr[-3000:]
-    assert any("no bias, batch norm or activation to fuse" in line for line in lines), result.stderr[-3000:]
-    assert "[torch_convbias.compile]" not in result.stderr  # our own switch's format: not asked for here
+    setup = "torch._logging.set_logs(modules={'torch_convbias': logging.INFO})\n" if switch == "set_logs" else ""
+    layers = "torch.nn.Conv2d(3, 4, 3), torch.nn.GELU(), torch.nn.Conv2d(4, 4, 3, bias=False)"
+    stderr = compile_logged_in_a_fresh_process(layers, env, setup)
+    lines = [line for line in stderr.splitlines() if "torch_convbias/compiler.py" in line]
+    assert any("into convbias.forward (activation gelu" in line for line in lines), stderr[-3000:]
+    assert any("no bias, batch norm or activation to fuse" in line for line in lines), stderr[-3000:]
+    assert "[torch_convbias.compile]" not in stderr  # our own switch's format: not asked for here
 
 
 def test_autocast_region_is_rewritten_and_matches_eager_autocast() -> None:
