@@ -231,13 +231,23 @@ def test_unknown_policy_is_refused_naming_the_option() -> None:
         compiled(torch.randn(2, 3, 8, 8))
 
 
+def relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """Norm of the difference over the norm of the float64 reference."""
+    return ((actual.double() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+
+
 @cuda
 def test_cuda_bfloat16_pooled_network_hands_over_and_matches_eager() -> None:
     """The default devices (CUDA), channels_last bfloat16: the pooled activations' backward fused by Inductor; every
-    gradient equal to eager nn.Conv2d's to bfloat16 rounding."""
+    gradient as close to the float64 truth as eager nn.Conv2d's. (Not elementwise to eager: in bfloat16 a max-pool
+    whose inputs differ by one rounding can pick another element, and the gradient moves with it; on the H200 9 of 576
+    elements of a weight gradient did, both sides equally right.)"""
     torch.manual_seed(0)
     model = pooled_network().cuda().to(torch.bfloat16).to(memory_format=torch.channels_last)
     x = torch.randn(8, 3, 8, 8, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    reference_model = copy.deepcopy(model).double()
+    reference_model(x.double()).square().sum().backward()
+    truth = [p.grad for p in reference_model.parameters()]
     expected = model(x)
     expected.float().square().sum().backward()
     eager = [p.grad.clone() for p in model.parameters()]
@@ -254,8 +264,10 @@ def test_cuda_bfloat16_pooled_network_hands_over_and_matches_eager() -> None:
     assert len(report.handed) == 2 and len(report.kept) == 1, report
     assert op_calls(code) == 1
     torch.testing.assert_close(actual, expected, rtol=3e-2, atol=3e-2)
-    for p, g in zip(model.parameters(), eager):
-        torch.testing.assert_close(p.grad, g, rtol=3e-2, atol=3e-2 * max(1.0, g.abs().max().item()))
+    for (name, p), g_eager, g_true in zip(model.named_parameters(), eager, truth):
+        ours, theirs = relative_error(p.grad, g_true), relative_error(g_eager, g_true)
+        # bfloat16 keeps 8 bits: a relative error of a few 1e-3 per gradient is rounding, a wrong derivative is ~1.
+        assert ours <= max(3 * theirs, 2e-2), f"{name}: relative error {ours:.3g} against float64, eager's {theirs:.3g}"
 
 
 def test_a_derivative_that_fails_to_trace_keeps_our_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
