@@ -82,7 +82,7 @@ def train_against_float64(
     torch.testing.assert_close(x32.grad.double(), x64.grad, rtol=tol, atol=tol)
     for (name, p), p64 in zip(model.named_parameters(), reference.parameters()):
         assert p.grad is not None, name
-        torch.testing.assert_close(p.grad.double(), p64.grad, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad.double(), p64.grad, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
     return code
 
 
@@ -268,7 +268,7 @@ def test_bfloat16_pooled_network_hands_over_and_matches_our_kernel(device: str) 
     for (name, p), reference in zip(model.named_parameters(), kept.parameters()):
         g = reference.grad
         tolerance = 3e-2 * max(1.0, g.abs().max().item())
-        torch.testing.assert_close(p.grad, g, rtol=3e-2, atol=tolerance, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, g, rtol=3e-2, atol=tolerance, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_a_derivative_that_fails_to_trace_keeps_our_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
