@@ -181,11 +181,15 @@ class Deployable(nn.Module):
         return self.conv2(y, residual=y)
 
 
+# Prints each step, so that a failure shows how far the loading process got.
 _LOAD_AND_RUN = """
 import sys, torch, torch_convbias
+print("imported", flush=True)
 runner = torch._inductor.aoti_load_package(sys.argv[1])
+print("loaded", flush=True)
 inputs = torch.load(sys.argv[2])
 torch.save([runner(x) for x in inputs], sys.argv[3])
+print("ran", flush=True)
 """
 
 
@@ -202,10 +206,12 @@ def test_aot_inductor_package_runs_in_a_fresh_process(device: str, tmp_path: Pat
     inputs = [torch.randn(n, 3, 10, 10, device=device) for n in (1, 7)]
     torch.save(inputs, tmp_path / "inputs.pt")
     result = subprocess.run(
-        [sys.executable, "-c", _LOAD_AND_RUN, package, str(tmp_path / "inputs.pt"), str(tmp_path / "outputs.pt")],
+        # -X faulthandler: a crash in the loading process reports its Python stack in stderr.
+        [sys.executable, "-X", "faulthandler", "-c", _LOAD_AND_RUN, package, str(tmp_path / "inputs.pt"),
+         str(tmp_path / "outputs.pt")],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-1000:] + result.stderr[-3000:]
     outputs = torch.load(tmp_path / "outputs.pt")
     c1, c2 = model.conv1, model.conv2
     for x, actual in zip(inputs, outputs):
