@@ -270,8 +270,9 @@ def measure(name: str, phase: str, mode: common.Mode, args: argparse.Namespace) 
         "skipped": last.skipped,
     }
 
-    def over_ours(key: str, nn_side: Sequence[str]) -> float | None:
-        ours = row[key].get("ours_backend")
+    def over_ours(key: str, nn_side: Sequence[str], ours_side: str = "ours_backend") -> float | None:
+        """The fastest of ``nn_side`` over ``ours_side`` (None where a side was not measured)."""
+        ours = row[key].get(ours_side)
         theirs = [row[key][v] for v in nn_side if row[key].get(v)]
         return min(theirs) / ours if ours and theirs else None
 
@@ -281,13 +282,10 @@ def measure(name: str, phase: str, mode: common.Mode, args: argparse.Namespace) 
     row["backend_vs_nn_compiled_rate"] = over_ours("step_ms", compiled)
     row["backend_vs_nn_eager_gpu"] = over_ours("gpu_ms", ("nn_eager",))
     # Freezing on both sides.
-    frozen_ours, frozen_nn = row["gpu_ms"].get("ours_backend_frozen"), row["gpu_ms"].get("nn_frozen")
-    row["backend_frozen_vs_nn_frozen_gpu"] = frozen_nn / frozen_ours if frozen_ours and frozen_nn else None
-    eager_ours, eager_nn = row["gpu_ms"].get("ours_eager"), row["gpu_ms"].get("nn_eager")
-    row["ours_eager_vs_nn_eager_gpu"] = eager_nn / eager_ours if eager_ours and eager_nn else None
+    row["backend_frozen_vs_nn_frozen_gpu"] = over_ours("gpu_ms", ("nn_frozen",), "ours_backend_frozen")
+    row["ours_eager_vs_nn_eager_gpu"] = over_ours("gpu_ms", ("nn_eager",), "ours_eager")
     # The backward pass's worth: the backend with every activation backward on our kernel over the default.
-    kernel_bwd = row["gpu_ms"].get("ours_backend_kernel_bwd")
-    row["backward_fusion_gain_gpu"] = kernel_bwd / row["gpu_ms"]["ours_backend"] if kernel_bwd and row["gpu_ms"].get("ours_backend") else None
+    row["backward_fusion_gain_gpu"] = over_ours("gpu_ms", ("ours_backend_kernel_bwd",))
     backward = list(torch_convbias.compiler.backward_reports)
     row["backward_fusion"] = (
         {"handed": len(backward[-1].handed), "kept": len(backward[-1].kept), "kept_why": [e["reason"] for e in backward[-1].kept]}
