@@ -9,12 +9,16 @@
 #                    with the GPU box's torch 2.11.0+cu130 on Python 3.12) from a copy of this tree, stripped, with a
 #                    stamp; `TORCH_CONVBIAS_PREBUILT=DIR ./dev.sh ...` on that machine then skips the ~150 s build
 #                    when the stamp matches (same Python, torch, cuDNN wheel and csrc/ + setup.py), else builds
+#   ./dev.sh carry [DIR]
+#                    what a call to the GPU machine carries (default .carry): cuDNN frontend headers and a prebuild for
+#                    its Python 3.12 / torch 2.11.0+cu130 (see carry below for the call)
 #   ./dev.sh stamp   print this tree's build stamp; ./dev.sh use-prebuilt: only the TORCH_CONVBIAS_PREBUILT step of
 #                    setup
-#   ./dev.sh gpu DIR [all|tests|bench|sanitize]
+#   ./dev.sh gpu DIR [all|tests|bench|sanitize|jobs]
 #                    on the GPU machine: setup, then the doctor and the CUDA tests (tests), every benchmark and
 #                    the demo on cuda (bench), or both (all), or compute-sanitizer's memcheck, racecheck and synccheck
-#                    over bench/sanitize_workload.py (sanitize); logs and results into DIR (`./dev.sh gpu $OUT tests`);
+#                    over bench/sanitize_workload.py (sanitize), or a budgeted list of single jobs (jobs: JOBS and BUDGET,
+#                    see run_jobs); logs and results into DIR (`./dev.sh gpu $OUT tests`);
 #                    BENCHES="param_grad bias_grad" picks benchmarks (forward param_grad layerwise bias_grad
 #                    overhead demo; also stress_memory, cold_start, models, ddp (WORLD GPUs, default 2) and the
 #                    activation blocks forward_<act> and layerwise_<act>, e.g. forward_relu layerwise_gelu, and
@@ -115,9 +119,78 @@ setup() {
   MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PYTHON" setup.py --quiet build_ext --inplace
 }
 
+# `./dev.sh carry [DIR]`: what a GPU call carries (default .carry, ignored by git): the cuDNN frontend headers (the GPU
+# machine has no network) and the extension prebuilt for its Python 3.12 and torch 2.11.0+cu130, from a venv made
+# with GPU_PYTHON (a Python 3.12; default python3.12 on PATH, else pyenv's). The call, with carry [".carry"]:
+#   TORCH_CONVBIAS_COMMIT=<sha> CUDNN_FRONTEND_INCLUDE_DIR=$PWD/.carry/cudnn_frontend/include \
+#   TORCH_CONVBIAS_PREBUILT=$PWD/.carry/prebuilt JOBS="..." BUDGET=540 ./dev.sh gpu $OUT jobs
+carry() {
+  local dir venv python include
+  dir=$(realpath -m "${1:-.carry}")
+  venv=${GPU_VENV:-/tmp/convbias-gpu-venv}
+  python=${GPU_PYTHON:-$(command -v python3.12 || ls -d "$HOME"/.pyenv/versions/3.12.*/bin/python 2>/dev/null | tail -1)}
+  [ -n "$python" ] || { echo "dev.sh carry: no Python 3.12 found; set GPU_PYTHON"; return 1; }
+  mkdir -p "$dir"
+  include=$("$PYTHON" -c 'import importlib.metadata as m; print(m.distribution("nvidia-cudnn-frontend").locate_file("include"))')
+  rm -rf "$dir/cudnn_frontend" && mkdir -p "$dir/cudnn_frontend" && cp -r "$include" "$dir/cudnn_frontend/include"
+  if [ ! -x "$venv/bin/python" ]; then
+    "$python" -m venv "$venv"
+  fi
+  # The GPU machine's versions (KINDS.md, shared/gpu.md): torch 2.11.0 (cu130), cuDNN 9.19.
+  "$venv/bin/python" -m pip install --quiet torch==2.11.0 "nvidia-cudnn-cu13==9.19.*" setuptools ninja
+  CUDNN_FRONTEND_INCLUDE_DIR="$dir/cudnn_frontend/include" PYTHON="$venv/bin/python" prebuild "$dir/prebuilt"
+}
+
+# `./dev.sh gpu DIR jobs`: the JOBS list, in order, each run only if it fits in what is left of BUDGET seconds
+# (counted from this script's start, the build included), each bounded by its own seconds; logs and results under
+# DIR/jobs/, returned as one DIR/jobs.tgz (the device tool returns few files). Specs, separated by spaces:
+#   models:MODEL:PHASE:MODE:SECONDS[:bwd]  one row of bench.bench_models (bwd: also the activation-backward variant)
+#   tests:STEM:K:SECONDS                   tests/test_STEM.py on cuda, -k K ('+' for a space; empty K: every test)
+#   bench:NAME:SECONDS                     one benchmark of the bench phase (forward, layerwise_relu, ...)
+run_jobs() {
+  local out=$1 spec kind rest seconds dir index=0 rc left status=0
+  local budget=${BUDGET:-540}
+  mkdir -p "$out/jobs"
+  : > "$out/jobs/summary.txt"
+  for spec in ${JOBS:?JOBS lists the jobs: see dev.sh}; do
+    index=$((index + 1))
+    kind=${spec%%:*}
+    rest=${spec#*:}
+    seconds=${spec##*:}
+    [ "$kind" = models ] && [[ "$spec" == *:bwd ]] && { seconds=${rest%:bwd}; seconds=${seconds##*:}; }
+    left=$((budget - SECONDS))
+    if [ "$seconds" -gt "$left" ]; then
+      echo "skipped $spec (needs ${seconds}s, ${left}s left)" | tee -a "$out/jobs/summary.txt"
+      continue
+    fi
+    dir="$out/jobs/$(printf %02d $index)-$(echo "$rest" | tr ':+ /' '___-')"
+    mkdir -p "$dir"
+    rc=0
+    case "$kind" in
+      models)
+        IFS=: read -r model phase mode _ flag <<< "$rest"
+        timeout "$seconds" "$PYTHON" -m bench.bench_models --models "$model" --phases "$phase" --modes "$mode" \
+          ${flag:+--activation-backward-variant} --out "$dir" > "$dir/log.txt" 2>&1 || rc=$? ;;
+      tests)
+        IFS=: read -r stem expr _ <<< "$rest"
+        expr=${expr//+/ }
+        timeout "$seconds" "$PYTHON" -m pytest "tests/test_$stem.py" -q -rfEs --tb=short -p no:cacheprovider \
+          -k "not cpu${expr:+ and ($expr)}" > "$dir/log.txt" 2>&1 || rc=$? ;;
+      bench)
+        BENCHES=${rest%%:*} timeout "$seconds" "$0" gpu "$dir" bench > "$dir/log.txt" 2>&1 || rc=$? ;;
+      *) echo "unknown job kind '$kind' in '$spec'" > "$dir/log.txt"; rc=2 ;;
+    esac
+    [ $rc -eq 0 ] || status=1
+    echo "rc=$rc at ${SECONDS}s $spec: $(grep -v '^\s*$' "$dir/log.txt" | tail -1)" | tee -a "$out/jobs/summary.txt"
+  done
+  tar czf "$out/jobs.tgz" -C "$out" jobs && rm -rf "$out/jobs"
+  return $status
+}
+
 case "${1:-}" in
   setup) setup ;;
   prebuild) shift; prebuild "$@" ;;
+  carry) shift; carry "$@" ;;
   # What prebuild stamps and setup compares (tests/test_dev_prebuilt.py drives both in a scratch tree).
   stamp) build_stamp ;;
   use-prebuilt) use_prebuilt ;;
@@ -181,6 +254,9 @@ case "${1:-}" in
       # The full tables (engines, paths) in one file: the device tool returns few files.
       tar czf "$out/bench-logs.tgz" -C /tmp $(cd /tmp && ls bench_*.log 2>/dev/null) 2>/dev/null || true
     fi
+    if [ "$phase" = jobs ]; then
+      run_jobs "$out" || status=1
+    fi
     if [ "$phase" = sanitize ]; then
       # compute-sanitizer over bench/sanitize_workload.py: memcheck (out-of-bounds and misaligned accesses, all
       # kernels), racecheck and synccheck (shared-memory races and barrier misuse) on one thread's calls. Each tool
@@ -200,5 +276,5 @@ case "${1:-}" in
       grep -E "^== |ERROR SUMMARY|sanitize_workload:" "$out/sanitize.log" || true
     fi
     exit $status ;;
-  *) sed -n '2,21p' "$0"; exit 2 ;;
+  *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac

@@ -68,7 +68,9 @@ def test_kernel_groups_sort_profiler_names_by_kind() -> None:
         "sm90_xmma_wgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc": 2.0,
         "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc": 4.0,
         "void convbias::cuda::(anonymous namespace)::column_partial_sums<float, 8, true>(...)": 1.0,
-        "triton_red_fused_max_pool2d_with_indices_backward_sum_threshold_backward_0": 0.5,
+        "triton_red_fused_max_pool2d_with_indices_backward_sum_threshold_backward_0": 0.375,
+        # Inductor's bias + ReLU after nn.Conv2d: named after the convolution it follows, but a Triton kernel.
+        "triton_poi_fused_convolution_relu_0": 0.125,
         "nvjet_hsh_192x128_64x4_2x1_v_bz_coopA_TNN": 0.25,
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(...)": 0.125,
         "Memcpy DtoD (Device -> Device)": 0.0625,

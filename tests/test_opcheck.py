@@ -4,6 +4,7 @@ packages."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -193,6 +194,28 @@ print("ran", flush=True)
 """
 
 
+def native_backtrace(command: list[str]) -> str:
+    """``command`` run again under a debugger (gdb, or cuda-gdb, which the GPU machine has instead), with the native
+    stack of the thread that crashed: what faulthandler's Python stack cannot say about a crash inside a library."""
+    debugger = shutil.which("gdb") or shutil.which("cuda-gdb")
+    if debugger is None:
+        return "(no gdb or cuda-gdb on PATH: no native backtrace)"
+    script = ["-batch", "-nx", "-ex", "set pagination off", "-ex", "run", "-ex", "bt 40"]
+    try:
+        result = subprocess.run([debugger, *script, "--args", *command], cwd=ROOT, capture_output=True, text=True, timeout=400)
+    except subprocess.TimeoutExpired as timeout:
+        return f"({debugger} did not finish in {timeout.timeout} s)"
+    return f"{debugger}:\n" + (result.stdout + result.stderr)[-8000:]
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None and shutil.which("cuda-gdb") is None, reason="needs gdb or cuda-gdb")
+def test_native_backtrace_names_the_frame_that_crashed() -> None:
+    """The diagnosis the AOTInductor test attaches to a crash: a process reading address 0 is reported with the C
+    function it died in."""
+    trace = native_backtrace([sys.executable, "-c", "import ctypes; ctypes.string_at(0)"])
+    assert "SIGSEGV" in trace and "string_at" in trace, trace
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_aot_inductor_package_runs_in_a_fresh_process(device: str, tmp_path: Path) -> None:
     """Deployment without Python model code: torch.export, then AOTInductor compiles and packages the program with
@@ -205,12 +228,13 @@ def test_aot_inductor_package_runs_in_a_fresh_process(device: str, tmp_path: Pat
     package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "deployable.pt2"))
     inputs = [torch.randn(n, 3, 10, 10, device=device) for n in (1, 7)]
     torch.save(inputs, tmp_path / "inputs.pt")
-    result = subprocess.run(
-        # -X faulthandler: a crash in the loading process reports its Python stack in stderr.
-        [sys.executable, "-X", "faulthandler", "-c", _LOAD_AND_RUN, package, str(tmp_path / "inputs.pt"),
-         str(tmp_path / "outputs.pt")],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
+    # -X faulthandler: a crash in the loading process reports its Python stack in stderr.
+    command = [sys.executable, "-X", "faulthandler", "-c", _LOAD_AND_RUN, package, str(tmp_path / "inputs.pt"),
+               str(tmp_path / "outputs.pt")]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if result.returncode < 0:  # killed by a signal (the H200 machine saw SIGSEGV): where, natively
+        pytest.fail(f"the loading process died of signal {-result.returncode}:\n{result.stdout[-1000:]}"
+                    f"{result.stderr[-3000:]}\n{native_backtrace(command)}")  # fmt: skip
     assert result.returncode == 0, result.stdout[-1000:] + result.stderr[-3000:]
     outputs = torch.load(tmp_path / "outputs.pt")
     c1, c2 = model.conv1, model.conv2
