@@ -145,7 +145,8 @@ carry() {
 # (counted from this script's start, the build included), each bounded by its own seconds; logs and results under
 # DIR/jobs/, returned as one DIR/jobs.tgz (the device tool returns few files). Specs, separated by spaces:
 #   models:MODEL:PHASE:MODE:SECONDS[:bwd]  one row of bench.bench_models (bwd: also the activation-backward variant)
-#   tests:STEM:K:SECONDS                   tests/test_STEM.py on cuda, -k K ('+' for a space; empty K: every test)
+#   tests:STEM:K:SECONDS                   tests/test_STEM.py -k K ('+' for a space; empty K: not cpu, i.e. its
+#                                          CUDA tests and those without a device parameter)
 #   bench:NAME:SECONDS                     one benchmark of the bench phase (forward, layerwise_relu, ...)
 run_jobs() {
   local out=$1 spec kind rest seconds dir index=0 rc left status=0
@@ -175,7 +176,7 @@ run_jobs() {
         IFS=: read -r stem expr _ <<< "$rest"
         expr=${expr//+/ }
         timeout "$seconds" "$PYTHON" -m pytest "tests/test_$stem.py" -q -rfEs --tb=short -p no:cacheprovider \
-          -k "not cpu${expr:+ and ($expr)}" > "$dir/log.txt" 2>&1 || rc=$? ;;
+          -k "${expr:-not cpu}" > "$dir/log.txt" 2>&1 || rc=$? ;;
       bench)
         BENCHES=${rest%%:*} timeout "$seconds" "$0" gpu "$dir" bench > "$dir/log.txt" 2>&1 || rc=$? ;;
       *) echo "unknown job kind '$kind' in '$spec'" > "$dir/log.txt"; rc=2 ;;
