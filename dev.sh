@@ -148,6 +148,8 @@ carry() {
 #   tests:STEM:K:SECONDS                   tests/test_STEM.py -k K ('+' for a space; empty K: not cpu, i.e. its
 #                                          CUDA tests and those without a device parameter)
 #   bench:NAME:SECONDS                     one benchmark of the bench phase (forward, layerwise_relu, ...)
+#   module:MODULE:ARGS:SECONDS             python -m MODULE ARGS --out <job dir> ('+' for a space), e.g.
+#                                          module:bench.bench_forward:--activation+relu+--shapes+2+5:120
 run_jobs() {
   local out=$1 spec kind rest seconds dir index=0 rc left status=0
   local budget=${BUDGET:-540}
@@ -179,6 +181,10 @@ run_jobs() {
           -k "${expr:-not cpu}" > "$dir/log.txt" 2>&1 || rc=$? ;;
       bench)
         BENCHES=${rest%%:*} timeout "$seconds" "$0" gpu "$dir" bench > "$dir/log.txt" 2>&1 || rc=$? ;;
+      module)
+        IFS=: read -r module arguments _ <<< "$rest"
+        # shellcheck disable=SC2086 # the arguments split at the spaces '+' stood for
+        timeout "$seconds" "$PYTHON" -m "$module" ${arguments//+/ } --out "$dir" > "$dir/log.txt" 2>&1 || rc=$? ;;
       *) echo "unknown job kind '$kind' in '$spec'" > "$dir/log.txt"; rc=2 ;;
     esac
     [ $rc -eq 0 ] || status=1
