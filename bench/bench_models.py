@@ -27,7 +27,9 @@ itself: a compiled step of a small model measures the host otherwise), and ``ste
 ``gpu_kernels``: per variant, the kernels that take most of that time (ms per step), and ``gpu_kernel_groups`` all
 of it by kind (our kernels, convolution fprop / dgrad / wgrad, GEMMs, Inductor's Triton, ATen's), to see where the
 sides differ;
-``backward_fusion``: how many activation backwards the backend handed to Inductor and kept on our kernel.
+``backward_fusion``: how many activation backwards the backend handed to Inductor and kept on our kernel;
+``layers``: per convolution the backend rewrote (its last graph), how the op ran it (explain: path, engine, activation
+and residual in the graph or not, padded channels; for training the weight gradient's path and engine).
 
 Numerics: each variant's logits (first call, before any parameter update, eval mode) against the nn model run in
 float64 on the same input: relative RMS error, passing when within twice nn eager's own error plus the mode's
@@ -177,6 +179,57 @@ def top_kernels(kernels: dict[str, float] | None, calls: int) -> dict[str, float
     return top
 
 
+def conv_output_shape(record: dict[str, Any]) -> list[int]:
+    """The output sizes of a rewritten convolution (its report record)."""
+    n, _, h, w = record["input_shape"]
+    k, _, r, s = record["weight_shape"]
+    (sh, sw), (ph, pw), (dh, dw) = record["stride"], record["padding"], record["dilation"]
+    return [n, k, (h + 2 * ph - dh * (r - 1) - 1) // sh + 1, (w + 2 * pw - dw * (s - 1) - 1) // sw + 1]
+
+
+def layer_paths(records: Sequence[dict[str, Any]], phase: str, dtype: torch.dtype, device: str) -> list[dict[str, Any]]:
+    """How the op ran each convolution the backend rewrote: explain() (and for training explain_param_grad()) on
+    tensors of the layer's shapes, under the row's flags, so that the plans are the ones the timed steps used (cached:
+    true where the key matched). Per layer: the problem, the forward's path, engine, whether the activation (and
+    residual) ran in the graph, the padded channel count, and for training the weight gradient's path and engine."""
+    layers = []
+    cl = torch.channels_last
+    for record in records:
+        layer: dict[str, Any] = {
+            "node": record["node"], "input": record.get("input_shape"), "weight": record.get("weight_shape"),
+            "activation": record["activation"], "residual": record["residual"],
+        }  # fmt: skip
+        if record.get("input_shape") is None or record.get("weight_shape") is None:
+            layer["error"] = "dynamic shapes"
+            layers.append(layer)
+            continue
+        x = torch.randn(record["input_shape"], device=device, dtype=dtype).contiguous(memory_format=cl)
+        w = torch.randn(record["weight_shape"], device=device, dtype=dtype).contiguous(memory_format=cl)
+        b = torch.randn(record["weight_shape"][0], device=device, dtype=dtype) if record["bias"] else None
+        conv = {k: record[k] for k in ("stride", "padding", "dilation", "groups")}
+        out_shape = conv_output_shape(record)
+        residual = torch.randn(out_shape, device=device, dtype=dtype).contiguous(memory_format=cl) if record["residual"] else None
+        try:
+            info = torch_convbias.explain(
+                x, w, b, **conv, activation=record["activation"], negative_slope=record["slope"], residual=residual,
+                for_backward=phase == "train" and residual is None,
+            )  # fmt: skip
+            layer.update({
+                "path": info.get("path"), "engine": (info.get("engine") or {}).get("name"), "cached": info.get("cached"),
+                "activation_fused": (info.get("activation") or {}).get("fused"),
+                "residual_fused": (info.get("residual") or {}).get("fused"),
+                "padded_channels": info.get("padded_channels"), "layout_timings": info.get("layout_timings"),
+            })  # fmt: skip
+            if phase == "train":
+                dy = torch.randn(out_shape, device=device, dtype=dtype).contiguous(memory_format=cl)
+                grad = torch_convbias.explain_param_grad(dy, x, w, **conv)["weight_grad"]
+                layer.update({"weight_grad_path": grad.get("path"), "weight_grad_engine": (grad.get("engine") or {}).get("name")})
+        except Exception as error:  # noqa: BLE001 - recorded: a diagnostic, not the measurement
+            layer["error"] = common.short_error(error)
+        layers.append(layer)
+    return layers
+
+
 def parameters_of(fn: nn.Module | Callable[..., Any]) -> list[nn.Parameter]:
     module = getattr(fn, "_orig_mod", fn)
     return list(module.parameters()) if isinstance(module, nn.Module) else []
@@ -257,11 +310,13 @@ def measure(name: str, phase: str, mode: common.Mode, args: argparse.Namespace) 
                 step()
         rates = common.time_back_to_back(steps, args.calls, args.repeats, args.device)
         kernels = {variant: common.gpu_kernels([step] * args.calls, args.device) for variant, step in steps.items()}
+        reports = list(torch_convbias.compiler.reports)
+        # Under the same flags, after the timings: explain's lookups find the plans the steps made.
+        row["layers"] = layer_paths(reports[-1].rewrites, phase, mode.dtype, args.device) if reports else None
     row["step_ms"] = {v: rates[v]["median_ms"] for v in steps}
     row["gpu_ms"] = {v: (sum(k.values()) / args.calls if k is not None else None) for v, k in kernels.items()}
     row["gpu_kernels"] = {v: top_kernels(k, args.calls) for v, k in kernels.items()}
     row["gpu_kernel_groups"] = {v: kernel_groups(k, args.calls) for v, k in kernels.items()}
-    reports = list(torch_convbias.compiler.reports)
     row["rewrites"] = reports[-1].count() if reports else None
     # What the backend's last graph holds: convolutions rewritten with an activation, a folded batch norm, a residual
     # add, and the candidates it left alone (why a row's figure is what it is).

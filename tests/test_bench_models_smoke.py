@@ -40,6 +40,15 @@ def test_models_benchmark_runs_every_variant_on_cpu(tmp_path: Path) -> None:
     assert rows["train"]["backward_fusion"]["handed"] == 1 and rows["train"]["backward_fusion"]["kept"] == 1
     assert "convolution_backward" in rows["train"]["backward_fusion"]["kept_why"][0]
     assert rows["infer"]["backward_fusion"] is None
+    # Per rewritten layer, how the op ran it (explain on the layer's shapes: ATen's reference on the CPU); for
+    # training the weight gradient's path too. tiny(): 3 -> 16 (3x3), 16 -> 16, then 16 -> 32 after the pool, batch 2.
+    for phase in ("train", "infer"):
+        layers = rows[phase]["layers"]
+        assert len(layers) == rows[phase]["rewrites"] and all("error" not in layer for layer in layers), layers
+        assert layers[0]["input"] == [2, 3, 32, 32] and layers[0]["weight"] == [16, 3, 3, 3], layers[0]
+        assert all(layer["path"] == "aten" for layer in layers), layers
+        assert all(("weight_grad_path" in layer) == (phase == "train") for layer in layers), layers
+    assert [layer["activation"] for layer in rows["infer"]["layers"]] == ["relu", "relu", "gelu"]
 
 
 def test_frozen_variants_really_freeze() -> None:

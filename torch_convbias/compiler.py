@@ -82,8 +82,9 @@ _OPTION_PREFIX = "convbias."
 @dataclasses.dataclass
 class RewriteReport:
     """What :func:`rewrite_graph` did to one graph: ``rewrites`` holds one line per convolution replaced (its node,
-    the activation fused, whether a batch norm was folded, whether a residual add was fused), ``skipped`` one line per
-    candidate left alone and why."""
+    the activation fused, whether a batch norm was folded, whether a residual add was fused, and the problem: input and
+    weight shapes where static, stride, padding, dilation, groups, slope), ``skipped`` one line per candidate left alone
+    and why."""
 
     rewrites: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
@@ -294,6 +295,13 @@ def _example(node: Any) -> torch.Tensor | None:
         return None
     value = node.meta.get("example_value", node.meta.get("val"))
     return value if isinstance(value, torch.Tensor) else None
+
+
+def _static_shape(tensor: torch.Tensor | None) -> list[int] | None:
+    """A fake tensor's sizes as ints, or None where any is symbolic (or the tensor unknown)."""
+    if tensor is None or not all(isinstance(size, int) for size in tensor.shape):
+        return None
+    return list(tensor.shape)
 
 
 def _int_pair(value: Any) -> list[int] | None:
@@ -575,6 +583,15 @@ class _Rewriter:
             "batchnorm_folded": batchnorm_folded,
             "bias": bias is not None,
             "residual": residual is not None,
+            # The problem, where its sizes are static (a dynamic batch: None): what explain() takes, to say how the
+            # op runs each rewritten layer (bench/bench_models.py's per-layer paths).
+            "input_shape": _static_shape(_example(args["input"])),
+            "weight_shape": _static_shape(_example(args["weight"])),
+            "stride": list(conv_args["stride"]),
+            "padding": list(conv_args["padding"]),
+            "dilation": list(conv_args["dilation"]),
+            "groups": conv_args["groups"],
+            "slope": float(slope),
         }
         self.report.rewrites.append(record)
         LOG.info(
