@@ -117,10 +117,11 @@ TOP_KERNELS = 12
 
 
 def variants(
-    model: nn.Module, phase: str, device: str, kernel_bwd_variant: bool = False
+    model: nn.Module, phase: str, device: str, kernel_bwd_variant: bool = False, skip: Sequence[str] = ()
 ) -> dict[str, nn.Module | Callable[..., Any]]:
-    """Each variant's callable, on its own deep copy of ``model``. On the CPU the backend also rewrites CPU
-    convolutions (the op's reference path) so that the script's logic runs end to end."""
+    """Each variant's callable, on its own deep copy of ``model``, but those in ``skip`` (never nn_eager or
+    ours_backend: the numerics' bound and the headline). On the CPU the backend also rewrites CPU convolutions (the
+    op's reference path) so that the script's logic runs end to end."""
     options = {"convbias.devices": ("cpu", "cuda")} if device == "cpu" else {}
     out: dict[str, nn.Module | Callable[..., Any]] = {
         "nn_eager": copy.deepcopy(model),
@@ -131,7 +132,7 @@ def variants(
     if phase == "infer":
         out["nn_frozen"] = Frozen(torch.compile(copy.deepcopy(model)))
         out["ours_backend_frozen"] = Frozen(torch.compile(copy.deepcopy(model), backend="convbias", options=options or None))
-    names = list(TRAIN_VARIANTS if phase == "train" else INFER_VARIANTS)
+    names = [name for name in (TRAIN_VARIANTS if phase == "train" else INFER_VARIANTS) if name not in skip]
     if kernel_bwd_variant and phase == "train":
         kept = {**options, "convbias.activation_backward": "ours"}
         out["ours_backend_kernel_bwd"] = torch.compile(copy.deepcopy(model), backend="convbias", options=kept)
@@ -291,7 +292,7 @@ def measure(name: str, phase: str, mode: common.Mode, args: argparse.Namespace) 
         model.eval()
     x = torch.randn(batch, 3, side, side, device=args.device, dtype=mode.dtype).contiguous(memory_format=torch.channels_last)
     target = torch.randint(0, 10, (batch,), device=args.device)
-    fns = variants(model, phase, args.device, args.activation_backward_variant)
+    fns = variants(model, phase, args.device, args.activation_backward_variant, args.skip)
     row: dict[str, Any] = {"model": name, "phase": phase, "mode": mode.name, "batch": batch, "side": side}
     # Inductor's caches off: every variant compiles here, so that the backend's pass reports what it did (a graph from
     # the cache would skip it); the timings do not depend on it.
@@ -302,7 +303,7 @@ def measure(name: str, phase: str, mode: common.Mode, args: argparse.Namespace) 
     ):
         # Training rows check the eager variants only: checking a compiled one there would compile it once more (eval
         # mode, no gradients); the inference rows check the compiled graphs, rewritten the same way.
-        checked = fns if phase == "infer" else {v: fns[v] for v in ("nn_eager", "ours_eager")}
+        checked = fns if phase == "infer" else {v: fns[v] for v in ("nn_eager", "ours_eager") if v in fns}
         row["numerics"] = numerics(checked, copy.deepcopy(model), x, mode)
         steps = {variant: make_step(fn, phase, x, target) for variant, fn in fns.items()}
         for step in steps.values():  # compile, autotune, warm
@@ -375,8 +376,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="training rows also measure the backend with convbias.activation_backward='ours' (one more compile)",
     )
+    parser.add_argument(
+        "--skip",
+        type=lambda s: s.split(","),
+        default=[],
+        help="variants not to measure, e.g. ours_backend_frozen,ours_eager (each compiled variant costs tens of seconds)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    required = {"nn_eager", "ours_backend"} & set(args.skip)
+    if required or set(args.skip) - {*TRAIN_VARIANTS, *INFER_VARIANTS}:
+        parser.error(f"--skip: expected variants other than nn_eager and ours_backend, got {args.skip}")
     unknown = set(args.models) - set(MODELS)
     if unknown:
         parser.error(f"unknown model(s) {sorted(unknown)}; choose from {sorted(MODELS)}")

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -49,6 +51,20 @@ def test_models_benchmark_runs_every_variant_on_cpu(tmp_path: Path) -> None:
         assert all(layer["path"] == "aten" for layer in layers), layers
         assert all(("weight_grad_path" in layer) == (phase == "train") for layer in layers), layers
     assert [layer["activation"] for layer in rows["infer"]["layers"]] == ["relu", "relu", "gelu"]
+
+
+def test_skipped_variants_are_not_measured(tmp_path: Path) -> None:
+    """--skip leaves variants out (a device call's time goes to compiling them); the headline's and the numerics'
+    variants cannot be skipped."""
+    argv = ["--device", "cpu", "--models", "tiny", "--modes", "fp32", "--warmup", "1", "--calls", "1", "--repeats", "1"]
+    assert bench_models.main([*argv, "--phases", "infer,train", "--skip", "ours_backend_frozen,ours_eager", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("models-*.json")
+    rows = {row["phase"]: row for row in json.loads(path.read_text())["rows"]}
+    assert set(rows["infer"]["step_ms"]) == {"nn_eager", "nn_compiled", "nn_frozen", "ours_backend"}, rows["infer"]
+    assert set(rows["train"]["step_ms"]) == {"nn_eager", "nn_compiled", "ours_backend"}, rows["train"]
+    assert rows["infer"]["backend_vs_nn_compiled_rate"] > 0 and rows["train"]["numerics"]["passed"], rows
+    with pytest.raises(SystemExit):
+        bench_models.main([*argv, "--skip", "ours_backend"])
 
 
 def test_frozen_variants_really_freeze() -> None:
