@@ -202,7 +202,7 @@ def native_backtrace(command: list[str]) -> str:
         return "(no gdb or cuda-gdb on PATH: no native backtrace)"
     script = ["-batch", "-nx", "-ex", "set pagination off", "-ex", "run", "-ex", "bt 40"]
     try:
-        result = subprocess.run([debugger, *script, "--args", *command], cwd=ROOT, capture_output=True, text=True, timeout=400)
+        result = subprocess.run([debugger, *script, "--args", *command], cwd=ROOT, capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired as timeout:
         return f"({debugger} did not finish in {timeout.timeout} s)"
     return f"{debugger}:\n" + (result.stdout + result.stderr)[-8000:]
