@@ -141,6 +141,37 @@ carry() {
   CUDNN_FRONTEND_INCLUDE_DIR="$dir/cudnn_frontend/include" PYTHON="$venv/bin/python" prebuild "$dir/prebuilt"
 }
 
+# The benchmarks BENCHES names (see the header; default forward param_grad layerwise bias_grad overhead demo) into
+# OUT, their summaries printed and their full logs in OUT/bench-logs.tgz; no setup (the gpu phases and the jobs' bench
+# kind have built already). Returns 1 if any failed.
+run_benches() {
+  local out=$1 name status=0
+  for name in ${BENCHES:-forward param_grad layerwise bias_grad overhead demo}; do
+    case "$name" in
+      forward|param_grad|layerwise)
+        "$PYTHON" -m "bench.bench_$name" --plot --out "$out" > "/tmp/bench_$name.log" 2>&1 || status=1
+        grep -A12 "summary" "/tmp/bench_$name.log" | grep -v "^plot\|^results" | head -14 ;;
+      forward_residual_*)  # forward_residual_relu: the residual block ending act(conv + bias + residual)
+        "$PYTHON" -m bench.bench_forward --residual --activation "${name#forward_residual_}" --out "$out" > "/tmp/bench_$name.log" 2>&1 || status=1
+        grep -A9 "summary" "/tmp/bench_$name.log" | head -11 ;;
+      forward_*|layerwise_*)  # forward_relu, layerwise_gelu, ...: the conv + bias + activation block
+        "$PYTHON" -m "bench.bench_${name%%_*}" --activation "${name#*_}" --out "$out" > "/tmp/bench_$name.log" 2>&1 || status=1
+        grep -A8 "summary" "/tmp/bench_$name.log" | head -10 ;;
+      models) "$PYTHON" -m bench.bench_models --out "$out" > /tmp/bench_models.log 2>&1 || status=1
+        grep -E "^(vgg11|alexnet|resnet50)" /tmp/bench_models.log ;;
+      bias_grad|overhead) "$PYTHON" -m "bench.bench_$name" --out "$out" 2>&1 | tail -6 || status=1 ;;
+      cold_start) "$PYTHON" -m bench.bench_cold_start --out "$out" 2>&1 | tail -14 || status=1 ;;
+      ddp) "$PYTHON" -m bench.bench_ddp --world "${WORLD:-2}" --out "$out" 2>&1 | tail -12 || status=1 ;;
+      stress_memory) TORCH_CONVBIAS_CACHE_SIZE=${TORCH_CONVBIAS_CACHE_SIZE:-64} "$PYTHON" -m bench.stress_memory --out "$out" 2>&1 | tail -4 || status=1 ;;
+      demo) "$PYTHON" examples/layerwise_digits.py --device cuda 2>&1 | tail -8 || status=1 ;;
+      *) echo "dev.sh: unknown benchmark '$name'"; status=1 ;;
+    esac
+  done
+  # The full tables (engines, paths) in one file: the device tool returns few files.
+  tar czf "$out/bench-logs.tgz" -C /tmp $(cd /tmp && ls bench_*.log 2>/dev/null) 2>/dev/null || true
+  return $status
+}
+
 # `./dev.sh gpu DIR jobs`: the JOBS list, in order, each run only if it fits in what is left of BUDGET seconds
 # (counted from this script's start, the build included), each bounded by its own seconds; logs and results under
 # DIR/jobs/, returned as one DIR/jobs.tgz (the device tool returns few files). Specs, separated by spaces:
@@ -180,7 +211,7 @@ run_jobs() {
         timeout "$seconds" "$PYTHON" -m pytest "tests/test_$stem.py" -q -rfEs --tb=short -p no:cacheprovider \
           -k "${expr:-not cpu}" > "$dir/log.txt" 2>&1 || rc=$? ;;
       bench)
-        BENCHES=${rest%%:*} timeout "$seconds" "$0" gpu "$dir" bench > "$dir/log.txt" 2>&1 || rc=$? ;;
+        BENCHES=${rest%%:*} timeout "$seconds" "$0" benches "$dir" > "$dir/log.txt" 2>&1 || rc=$? ;;
       module)
         IFS=: read -r module arguments _ <<< "$rest"
         # shellcheck disable=SC2086 # the arguments split at the spaces '+' stood for
@@ -198,6 +229,8 @@ case "${1:-}" in
   setup) setup ;;
   prebuild) shift; prebuild "$@" ;;
   carry) shift; carry "$@" ;;
+  # run_benches alone, for the jobs' bench kind (the build is done by then).
+  benches) run_benches "${2:?usage: ./dev.sh benches OUTDIR}" ;;
   # What prebuild stamps and setup compares (tests/test_dev_prebuilt.py drives both in a scratch tree).
   stamp) build_stamp ;;
   use-prebuilt) use_prebuilt ;;
@@ -237,29 +270,7 @@ case "${1:-}" in
       grep -ho '<property name="[^"]*" value="[^"]*"' /tmp/convbias-junit-*.xml 2>/dev/null | tee -a "$out/tests.log" || true
     fi
     if [ "$phase" = all ] || [ "$phase" = bench ]; then
-      for name in ${BENCHES:-forward param_grad layerwise bias_grad overhead demo}; do
-        case "$name" in
-          forward|param_grad|layerwise)
-            "$PYTHON" -m "bench.bench_$name" --plot --out "$out" > "/tmp/bench_$name.log" 2>&1 || status=1
-            grep -A12 "summary" "/tmp/bench_$name.log" | grep -v "^plot\|^results" | head -14 ;;
-          forward_residual_*)  # forward_residual_relu: the residual block ending act(conv + bias + residual)
-            "$PYTHON" -m bench.bench_forward --residual --activation "${name#forward_residual_}" --out "$out" > "/tmp/bench_$name.log" 2>&1 || status=1
-            grep -A9 "summary" "/tmp/bench_$name.log" | head -11 ;;
-          forward_*|layerwise_*)  # forward_relu, layerwise_gelu, ...: the conv + bias + activation block
-            "$PYTHON" -m "bench.bench_${name%%_*}" --activation "${name#*_}" --out "$out" > "/tmp/bench_$name.log" 2>&1 || status=1
-            grep -A8 "summary" "/tmp/bench_$name.log" | head -10 ;;
-          models) "$PYTHON" -m bench.bench_models --out "$out" > /tmp/bench_models.log 2>&1 || status=1
-            grep -E "^(vgg11|alexnet|resnet50)" /tmp/bench_models.log ;;
-          bias_grad|overhead) "$PYTHON" -m "bench.bench_$name" --out "$out" 2>&1 | tail -6 || status=1 ;;
-          cold_start) "$PYTHON" -m bench.bench_cold_start --out "$out" 2>&1 | tail -14 || status=1 ;;
-          ddp) "$PYTHON" -m bench.bench_ddp --world "${WORLD:-2}" --out "$out" 2>&1 | tail -12 || status=1 ;;
-          stress_memory) TORCH_CONVBIAS_CACHE_SIZE=${TORCH_CONVBIAS_CACHE_SIZE:-64} "$PYTHON" -m bench.stress_memory --out "$out" 2>&1 | tail -4 || status=1 ;;
-          demo) "$PYTHON" examples/layerwise_digits.py --device cuda 2>&1 | tail -8 || status=1 ;;
-          *) echo "dev.sh: unknown benchmark '$name'"; status=1 ;;
-        esac
-      done
-      # The full tables (engines, paths) in one file: the device tool returns few files.
-      tar czf "$out/bench-logs.tgz" -C /tmp $(cd /tmp && ls bench_*.log 2>/dev/null) 2>/dev/null || true
+      run_benches "$out" || status=1
     fi
     if [ "$phase" = jobs ]; then
       run_jobs "$out" || status=1

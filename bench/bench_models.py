@@ -57,6 +57,7 @@ from torch import nn
 
 import torch_convbias
 from bench import common
+from torch_convbias import _validation
 
 TRAIN_VARIANTS = ("nn_eager", "nn_compiled", "ours_eager", "ours_backend")
 INFER_VARIANTS = ("nn_eager", "nn_compiled", "nn_frozen", "ours_eager", "ours_backend", "ours_backend_frozen")
@@ -180,14 +181,6 @@ def top_kernels(kernels: dict[str, float] | None, calls: int) -> dict[str, float
     return top
 
 
-def conv_output_shape(record: dict[str, Any]) -> list[int]:
-    """The output sizes of a rewritten convolution (its report record)."""
-    n, _, h, w = record["input_shape"]
-    k, _, r, s = record["weight_shape"]
-    (sh, sw), (ph, pw), (dh, dw) = record["stride"], record["padding"], record["dilation"]
-    return [n, k, (h + 2 * ph - dh * (r - 1) - 1) // sh + 1, (w + 2 * pw - dw * (s - 1) - 1) // sw + 1]
-
-
 def layer_paths(records: Sequence[dict[str, Any]], phase: str, dtype: torch.dtype, device: str) -> list[dict[str, Any]]:
     """How the op ran each convolution the backend rewrote: explain() (and for training explain_param_grad()) on
     tensors of the layer's shapes, under the row's flags, so that the plans are the ones the timed steps used (cached:
@@ -208,7 +201,7 @@ def layer_paths(records: Sequence[dict[str, Any]], phase: str, dtype: torch.dtyp
         w = torch.randn(record["weight_shape"], device=device, dtype=dtype).contiguous(memory_format=cl)
         b = torch.randn(record["weight_shape"][0], device=device, dtype=dtype) if record["bias"] else None
         conv = {k: record[k] for k in ("stride", "padding", "dilation", "groups")}
-        out_shape = conv_output_shape(record)
+        out_shape = _validation.output_size(x, w, record["stride"], record["padding"], record["dilation"])
         residual = torch.randn(out_shape, device=device, dtype=dtype).contiguous(memory_format=cl) if record["residual"] else None
         try:
             info = torch_convbias.explain(
