@@ -50,7 +50,10 @@ def explain(
     alternatives were rejected) and, on CUDA, ``engine`` (name, workspace, build time, runtime-compiled or not,
     timings of the candidates, rejections), ``layout`` (``channels_last``, ``copied to channels_last``, or for
     NCHW input and weight ``nchw graph`` / ``nchw via channels_last copies`` / ``nchw (aten)``), ``layout_timings``
-    (``[way, ms]`` of each way of running NCHW tensors that was measured), ``converted_input``, ``output``,
+    (``[way, ms]`` of each way measured: of running NCHW tensors, or for channels_last tensors with misaligned
+    channel rows ``as_is`` and ``padded_channels``), ``padded_channels`` (the input channel count the convolution ran
+    with on zero-padded copies of input and weight, ``TORCH_CONVBIAS_PAD_CHANNELS``; null when it ran as it is),
+    ``converted_input``, ``output``,
     ``alignment``, ``math`` (the flags that select engines), ``graph_ops`` (the cuDNN graph's operations in order,
     e.g. ``["CONV_FPROP", "ADD", "RELU_FWD"]``; empty on the ATen path), ``activation`` (``name``; ``fused``: true when
     the activation is the graph's last node, its epilogue, false when ATen's pointwise kernel runs it after the graph

@@ -49,6 +49,16 @@ std::string layout_name(const cuda::PreparedForward& prepared, const cuda::Fprop
   return plan.path == cuda::FpropPath::Aten ? "nchw (aten)" : "nchw graph";
 }
 
+// The input channel count the convolution ran with when the plan pads the channels (the padded-channels way, taken
+// directly or by the channels_last plan behind NCHW copies), else null.
+Json padded_channels_json(const cuda::PreparedForward& prepared, const cuda::FpropPlan& plan) {
+  // (A plan via channels_last copies is a copy of the channels_last plan, its via_padded_channels included.)
+  if (plan.via_channels_last) {
+    return plan.via_channels_last->via_padded_channels ? Json(prepared.problem.as_channels_last().padded_channels()) : Json();
+  }
+  return plan.via_padded_channels ? Json(prepared.problem.padded_channels()) : Json();
+}
+
 Json engine_json(const cuda::EngineChoice& e) {
   return Json{
       {"name", e.engine},
@@ -248,6 +258,7 @@ std::string explain_cuda(
       {"converted_input", prepared.converted_input},
       {"layout_timings", timings_json(plan->layout_timings)},
       {"realigned", prepared.realigned},
+      {"padded_channels", padded_channels_json(prepared, *plan)},
       {"output", output_memory_format(input, weight) == at::MemoryFormat::ChannelsLast ? "channels_last" : "NCHW"},
       {"cached", route.was_cached},
       {"plan_build_seconds", route.build_seconds},

@@ -9,6 +9,7 @@
 
 #include "cuda/bias_activation.h"
 #include "cuda/epilogue.h"
+#include "cuda/pad_channels.h"
 #include "cuda/plan_store.h"
 #include "cuda/test_hook.h"
 #include "reference.h"
@@ -224,6 +225,13 @@ std::pair<at::Tensor, at::Tensor> run_plan(
     constexpr auto cl = at::MemoryFormat::ChannelsLast;
     auto [y, z] = run_plan(*plan.via_channels_last, problem.as_channels_last(), x.contiguous(cl), w.contiguous(cl), b);
     return {y.contiguous(), z.defined() ? z.contiguous() : z};
+  }
+  if (plan.via_padded_channels) {
+    // The output has the problem's own shape: only the reduction dimension grew, by zeros.
+    const int64_t channels = problem.padded_channels();
+    TORCH_INTERNAL_ASSERT(channels > 0);
+    return run_plan(
+        *plan.via_padded_channels, problem.with_padded_channels(), pad_channels(x, channels), pad_channels(w, channels), b);
   }
   TORCH_INTERNAL_ASSERT(plan.path != FpropPath::Aten && plan.graph);
   TORCH_INTERNAL_ASSERT(!plan.activation_fused || plan.preactivation_output == problem.keep_preactivation);
@@ -584,10 +592,64 @@ std::shared_ptr<const FpropPlan> build_nchw_plan(
   return plan;
 }
 
+// A channels_last problem with padded_channels() runs as it is or on zero-padded copies of x and w: the padded
+// problem has 16-byte channel rows, which the fast and the fused engines need (pad_channels.h), at the price of the two
+// copies. Under timed choices both ways are measured, the copies included, and the faster kept; untimed, the problem
+// runs as it is (heuristics cannot weigh the copies), unless TORCH_CONVBIAS_PAD_CHANNELS=on (the padded way wherever
+// its graph builds) or off (never).
+std::shared_ptr<const FpropPlan> consider_padded_channels(
+    const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+    std::shared_ptr<FpropPlan> own) {
+  const auto& k = knobs();
+  const int64_t channels = p.padded_channels();
+  const bool timed = current_tuning(p.flags) != Tuning::Untimed;
+  if (channels == 0 || k.pad_channels == "off" || (k.pad_channels == "auto" && (!timed || own->transient))) {
+    return own;
+  }
+  const FpropProblem q = p.with_padded_channels();
+  std::ostringstream what;
+  what << "input channels zero-padded from " << p.x_dims[1] << " to " << channels << " (16-byte rows)";
+  const auto padded = fprop_plan(q, pad_channels(x, channels), pad_channels(w, channels), b);
+  if (padded->path == FpropPath::Aten) {
+    own->notes.push_back(what.str() + ": no cuDNN graph builds for that problem either");
+    return own;
+  }
+  auto via_padded = [&] {
+    auto plan = std::make_shared<FpropPlan>(*padded);
+    plan->via_padded_channels = padded;
+    plan->notes.push_back(what.str());
+    return plan;
+  };
+  if (k.pad_channels == "on") {
+    auto plan = via_padded();
+    plan->notes.back() += " (TORCH_CONVBIAS_PAD_CHANNELS=on)";
+    return plan;
+  }
+  // Both complete ways on these tensors, as calls run them: the padded one with its two copies.
+  const float own_ms = time_on_stream([&] {
+    (void)(own->path == FpropPath::Aten ? run_aten(p, x, w, b) : run_plan(*own, p, x, w, b).first);
+  });
+  const float padded_ms = time_on_stream([&] {
+    (void)run_plan(*padded, q, pad_channels(x, channels), pad_channels(w, channels), b);
+  });
+  std::vector<std::pair<std::string, float>> timings{{"as_is", own_ms}, {"padded_channels", padded_ms}};
+  std::ostringstream measured;
+  measured << padded_ms << " ms against " << own_ms << " ms as it is";
+  if (padded_ms < own_ms) {
+    auto plan = via_padded();
+    plan->notes.back() += ": measured faster, " + measured.str();
+    plan->layout_timings = std::move(timings);
+    return plan;
+  }
+  own->notes.push_back(what.str() + " measured slower: " + measured.str());
+  own->layout_timings = std::move(timings);
+  return own;
+}
+
 std::shared_ptr<const FpropPlan> build_plan(
     const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   if (p.channels_last) {
-    return build_graph_path(p, x, w, b);
+    return consider_padded_channels(p, x, w, b, build_graph_path(p, x, w, b));
   }
   return build_nchw_plan(p, x, w, b);
 }
@@ -694,6 +756,7 @@ std::optional<plan_store::Json> plan_record(const FpropPlan& plan) {
   plan_store::Json r{
       {"path", path_name(plan.path)},
       {"via_channels_last", plan.via_channels_last != nullptr},
+      {"via_padded_channels", plan.via_padded_channels != nullptr},
       {"tuned", plan.tuned},
       {"fused_ms", plan.fused_ms},
       {"unfused_ms", plan.unfused_ms},
@@ -707,8 +770,8 @@ std::optional<plan_store::Json> plan_record(const FpropPlan& plan) {
       {"separate_activation_ms", plan.separate_activation_ms},
       {"preactivation_output", plan.preactivation_output},
       {"residual_fused", plan.residual_fused}};
-  // A plan run via channels_last copies stores its choice only: the channels_last plan is stored under its own key.
-  const bool own_graph = !plan.via_channels_last && plan.path != FpropPath::Aten;
+  // A plan run via channels_last or padded copies stores its choice only: the plan it runs is stored under its own key.
+  const bool own_graph = !plan.via_channels_last && !plan.via_padded_channels && plan.path != FpropPath::Aten;
   return plan_store::put_graph(r, own_graph ? plan.graph : nullptr, plan.engine) ? std::optional(r) : std::nullopt;
 }
 
@@ -748,6 +811,17 @@ std::shared_ptr<const FpropPlan> plan_from_record(
     auto via = fprop_plan(p.as_channels_last(), x.contiguous(cl), w.contiguous(cl), b);
     plan = std::make_shared<FpropPlan>(*via);
     plan->via_channels_last = via;
+  } else if (r.at("via_padded_channels").get<bool>()) {
+    const int64_t channels = p.padded_channels();
+    if (channels == 0) {
+      return nullptr;
+    }
+    auto via = fprop_plan(p.with_padded_channels(), pad_channels(x, channels), pad_channels(w, channels), b);
+    if (via->path == FpropPath::Aten) {
+      return nullptr;
+    }
+    plan = std::make_shared<FpropPlan>(*via);
+    plan->via_padded_channels = via;
   } else {
     plan = std::make_shared<FpropPlan>();
     plan->path = *found;
@@ -854,6 +928,25 @@ FpropProblem FpropProblem::as_channels_last() const {
   FpropProblem p = *this;
   p.channels_last = true;
   p.alignments = {16, 16, alignments[2], 16};
+  return p;
+}
+
+int64_t FpropProblem::padded_channels() const {
+  if (!channels_last || params.groups != 1 || has_residual) {
+    return 0;
+  }
+  const int64_t channels = padded_channel_count(dtype, x_dims[1]);
+  return channels > x_dims[1] ? channels : 0;
+}
+
+FpropProblem FpropProblem::with_padded_channels() const {
+  const int64_t channels = padded_channels();
+  TORCH_INTERNAL_ASSERT(channels > 0);
+  FpropProblem p = *this;
+  p.x_dims[1] = channels;
+  p.w_dims[1] = channels;
+  p.alignments[0] = 16;
+  p.alignments[1] = 16;
   return p;
 }
 

@@ -50,6 +50,11 @@ struct FpropProblem {
   PlanKey key() const;
   std::string describe() const; // shapes, layout, dtype, parameters and activation, for messages
   FpropProblem as_channels_last() const; // the same problem on channels_last copies (fresh, 16-byte aligned)
+  // The input channel count the problem runs with on zero-padded copies of x and w (pad_channels.h), or 0 where that
+  // way does not apply: channels_last, one group, no residual, float16 / bfloat16 / float32, and channel rows that
+  // are not 16-byte multiples.
+  int64_t padded_channels() const;
+  FpropProblem with_padded_channels() const; // the same problem on those copies (fresh, 16-byte aligned)
 };
 
 struct FpropPlan {
@@ -86,6 +91,11 @@ struct FpropPlan {
   // (and `path`/`engine` above are copied from it); `layout_timings` holds (way, ms) of each way measured.
   std::shared_ptr<const FpropPlan> via_channels_last;
   std::vector<std::pair<std::string, float>> layout_timings;
+  // Channels_last problems with padded_channels(): when the way over zero-padded copies of x and w was taken
+  // (measured faster than the problem as it is, the pads included, or TORCH_CONVBIAS_PAD_CHANNELS=on), the plan of
+  // the padded problem it runs (`path`/`engine` above copied from it); `layout_timings` then holds ("as_is", ms) and
+  // ("padded_channels", ms) where both were measured.
+  std::shared_ptr<const FpropPlan> via_padded_channels;
 };
 
 PlanCaches<FpropPlan>& fprop_cache();

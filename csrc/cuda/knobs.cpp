@@ -55,6 +55,10 @@ const Knobs& knobs() {
     TORCH_CHECK_VALUE(
         result.nchw == "auto" || result.nchw == "graph" || result.nchw == "copy" || result.nchw == "aten",
         "TORCH_CONVBIAS_NCHW must be auto, graph, copy or aten, got '", result.nchw, "'");
+    result.pad_channels = env_or("TORCH_CONVBIAS_PAD_CHANNELS", "auto");
+    TORCH_CHECK_VALUE(
+        result.pad_channels == "auto" || result.pad_channels == "on" || result.pad_channels == "off",
+        "TORCH_CONVBIAS_PAD_CHANNELS must be auto, on or off, got '", result.pad_channels, "'");
     const std::string fallback = env_or("TORCH_CONVBIAS_WORKSPACE_FALLBACK", "on");
     TORCH_CHECK_VALUE(
         fallback == "on" || fallback == "off", "TORCH_CONVBIAS_WORKSPACE_FALLBACK must be on or off, got '", fallback,

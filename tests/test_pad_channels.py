@@ -1,0 +1,172 @@
+"""Zero-padded input channels (csrc/cuda/pad_channels.*, TORCH_CONVBIAS_PAD_CHANNELS): a channels_last forward whose
+channel rows are not 16-byte multiples (C=3 RGB inputs) can run on padded copies of input and weight. Forced on, every
+such problem (dtypes, activations, strides, the pre-activation kept for autograd, NCHW via channels_last copies) equals
+F.conv2d in float64 and says so in explain(); timed (cudnn.benchmark), both ways are measured and the faster is the one
+taken; untimed or off, the problem runs as it is; problems it does not apply to are never padded; a padded plan
+survives the persistent plan cache. Knobs are read once per process: each setting runs in its own process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import MODES, assert_close, cuda, math_mode
+
+import torch_convbias
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (n, c, hw, k, kernel, stride, padding, dilation, dtype name, activation, channels_last): C=3 in every dtype, C=5 and
+# C=12 (padded to 8 / 16), 11x11 stride 4 (AlexNet's first layer, scaled down), a dilated one, relu / gelu / identity.
+CASES = [
+    (4, 3, 16, 16, 3, 1, 1, 1, "bfloat16", "relu", True),
+    (4, 3, 16, 16, 3, 1, 1, 1, "float16", "identity", True),
+    (4, 3, 16, 16, 3, 1, 1, 1, "float32", "gelu", True),
+    (2, 3, 35, 24, 11, 4, 2, 1, "bfloat16", "relu", True),
+    (3, 5, 12, 8, 3, 2, 1, 2, "float32", "relu", True),
+    (3, 12, 10, 16, 1, 1, 0, 1, "bfloat16", "silu", True),
+    (2, 3, 15, 8, 5, 1, 2, 1, "float16", "relu", False),  # NCHW: padded behind the channels_last copies
+]
+
+# Runs CASES (forward and, under autograd, every gradient) against float64 and prints, per case, the padded channel
+# count explain() reports and whether the results matched.
+SCRIPT = r"""
+import json, sys, torch, torch.nn.functional as F, torch_convbias
+sys.path.insert(0, "tests")
+from conftest import MODES, assert_close
+from test_pad_channels import CASES, ACTIVATIONS
+torch.backends.cudnn.allow_tf32 = False
+torch.backends.cudnn.benchmark = sys.argv[1] == "benchmark"
+rows = []
+for n, c, hw, k, r, stride, pad, dil, mode_name, act, channels_last in CASES:
+    mode = MODES[mode_name]
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    g = torch.Generator(device="cuda").manual_seed(n * 100 + c * 10 + r)
+    x = torch.randn(n, c, hw, hw, device="cuda", generator=g).to(mode.dtype).contiguous(memory_format=fmt)
+    w = (torch.randn(k, c, r, r, device="cuda", generator=g) / (c * r * r) ** 0.5).to(mode.dtype)
+    w = w.contiguous(memory_format=fmt)
+    b = torch.randn(k, device="cuda", generator=g).to(mode.dtype)
+    leaves = [t.detach().requires_grad_(True) for t in (x, w, b)]
+    y = torch_convbias.conv_bias2d(*leaves, stride=stride, padding=pad, dilation=dil, activation=act)
+    dy = torch.randn(y.shape, device="cuda", generator=g).to(mode.dtype)
+    y.backward(dy)
+    ref_leaves = [t.detach().cpu().double().requires_grad_(True) for t in (x, w, b)]
+    ref = ACTIVATIONS[act](F.conv2d(*ref_leaves, stride=stride, padding=pad, dilation=dil))
+    ref.backward(dy.cpu().double())
+    for what, got, want in [("output", y, ref)] + [(f"grad {i}", t.grad, u.grad) for i, (t, u) in enumerate(zip(leaves, ref_leaves))]:
+        assert_close(got.detach().cpu().double(), want.detach(), mode, f"case {(n, c, hw, k, r, mode_name, act)}: {what}")
+    info = torch_convbias.explain(x, w, b, stride=stride, padding=pad, dilation=dil, activation=act)
+    trained = torch_convbias.explain(x, w, b, stride=stride, padding=pad, dilation=dil, activation=act, for_backward=True)
+    rows.append({"case": [c, mode_name, act, channels_last], "padded": info.get("padded_channels"),
+                 "padded_for_backward": trained.get("padded_channels"), "timings": dict(info.get("layout_timings", [])),
+                 "notes": info.get("notes", []), "layout": info["layout"]})
+print(json.dumps({"rows": rows, "cache": torch_convbias.cache_info()}))
+"""
+
+ACTIVATIONS = {
+    "identity": lambda t: t,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "silu": F.silu,
+}
+
+
+def expected_channels(c: int, mode_name: str) -> int:
+    per_row = 16 // MODES[mode_name].dtype.itemsize
+    return (c + per_row - 1) // per_row * per_row
+
+
+def run(tuning: str, **knobs: str) -> dict[str, Any]:
+    env = {**os.environ, **{f"TORCH_CONVBIAS_{name.upper()}": value for name, value in knobs.items()}}
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, tuning], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@cuda
+def test_forced_padding_matches_conv2d_and_is_reported() -> None:
+    """TORCH_CONVBIAS_PAD_CHANNELS=on: every case runs padded (explain's padded_channels is the next 16-byte row; the
+    NCHW one through channels_last copies, TORCH_CONVBIAS_NCHW=copy), and output and gradients equal float64
+    F.conv2d."""
+    report = run("untimed", pad_channels="on", nchw="copy")
+    for (n, c, hw, k, r, stride, pad, dil, mode_name, act, channels_last), row in zip(CASES, report["rows"]):
+        expected = expected_channels(c, mode_name)
+        assert row["padded"] == expected and row["padded_for_backward"] == expected, row
+        if channels_last:
+            assert any("zero-padded from" in note and "PAD_CHANNELS=on" in note for note in row["notes"]), row
+
+
+@cuda
+def test_timed_choice_measures_both_ways_and_keeps_the_faster() -> None:
+    """Under cudnn.benchmark (default knob): both ways measured, the padded one taken exactly when it measured faster;
+    results equal float64 F.conv2d either way."""
+    report = run("benchmark")
+    for case, row in zip(CASES, report["rows"]):
+        if not case[-1]:
+            continue  # NCHW: its own layout timings (the NCHW ways); the channels_last plan behind the copies is padded or not
+        timings = row["timings"]
+        assert set(timings) == {"as_is", "padded_channels"} and all(ms > 0 for ms in timings.values()), row
+        faster = timings["padded_channels"] < timings["as_is"]
+        assert (row["padded"] is not None) == faster, row
+
+
+@cuda
+def test_untimed_and_off_run_the_problem_as_it_is() -> None:
+    """Untimed choices (the default) never pad (heuristics cannot weigh the copies), nor does
+    TORCH_CONVBIAS_PAD_CHANNELS=off under cudnn.benchmark."""
+    for tuning, knobs in (("untimed", {}), ("benchmark", {"pad_channels": "off"})):
+        report = run(tuning, **knobs)
+        for row in report["rows"]:
+            assert row["padded"] is None and row["padded_for_backward"] is None, (tuning, row)
+            assert "padded_channels" not in row["timings"], (tuning, row)
+
+
+@cuda
+@pytest.mark.parametrize(
+    "c,groups,dtype",
+    [(8, 1, torch.bfloat16), (4, 1, torch.float32), (6, 3, torch.bfloat16), (3, 1, torch.float64)],
+    ids=["aligned-bf16", "aligned-fp32", "grouped", "float64"],
+)
+def test_problems_it_does_not_apply_to_are_never_padded(c: int, groups: int, dtype: torch.dtype) -> None:
+    """Aligned channel rows, grouped convolutions and float64 have no padded way, timed or not: explain's
+    padded_channels is null and no such timing is made."""
+    x = torch.randn(2, c, 8, 8, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(6, c // groups, 3, 3, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+    b = torch.randn(6, device="cuda", dtype=dtype)
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        with math_mode(MODES["float32"]):
+            y = torch_convbias.conv_bias2d(x, w, b, padding=1, groups=groups)
+            info = torch_convbias.explain(x, w, b, padding=1, groups=groups)
+    finally:
+        torch.backends.cudnn.benchmark = saved
+    mode = MODES["float64" if dtype == torch.float64 else "float32" if dtype == torch.float32 else "bfloat16"]
+    expected = F.conv2d(x.cpu().double(), w.cpu().double(), b.cpu().double(), padding=1, groups=groups)
+    assert_close(y.cpu().double(), expected, mode, "output")
+    assert info.get("padded_channels") is None, info
+    assert "padded_channels" not in dict(info.get("layout_timings") or []), info
+
+
+@cuda
+def test_padded_plan_is_stored_and_loaded(tmp_path: Path) -> None:
+    """A timed padded choice (forced on, so that it is the one made) goes to the persistent plan cache and the next
+    process loads it, padded still, with the same results."""
+    first = run("benchmark", pad_channels="on", plan_cache_dir=str(tmp_path))
+    assert first["cache"]["disk_writes"] > 0, first["cache"]
+    second = run("benchmark", pad_channels="on", plan_cache_dir=str(tmp_path))
+    assert second["cache"]["disk_hits"] > 0 and second["cache"]["disk_rejected"] == 0, second["cache"]
+    for row in second["rows"]:
+        if row["case"][-1]:
+            assert row["padded"] is not None, row
+            assert any("loaded from the persistent plan cache" in note for note in row["notes"]), row
+
