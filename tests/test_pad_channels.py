@@ -1,9 +1,10 @@
-"""Zero-padded input channels (csrc/cuda/pad_channels.*, TORCH_CONVBIAS_PAD_CHANNELS): a channels_last forward whose
-channel rows are not 16-byte multiples (C=3 RGB inputs) can run on padded copies of input and weight. Forced on, every
-such problem (dtypes, activations, strides, the pre-activation kept for autograd, NCHW via channels_last copies) equals
-F.conv2d in float64 and says so in explain(); timed (cudnn.benchmark), both ways are measured and the faster is the one
-taken; untimed or off, the problem runs as it is; problems it does not apply to are never padded; a padded plan
-survives the persistent plan cache. Knobs are read once per process: each setting runs in its own process."""
+"""Zero-padded input channels (csrc/cuda/pad_channels.*, TORCH_CONVBIAS_PAD_CHANNELS): a channels_last forward or
+weight gradient whose channel rows are not 16-byte multiples (C=3 RGB inputs) can run on padded copies of input (and
+weight, or a padded weight gradient). Forced on, every such problem (dtypes, activations, strides, the pre-activation
+kept for autograd, NCHW via channels_last copies) equals F.conv2d in float64, gradients included, and says so in
+explain() / explain_param_grad(); timed (cudnn.benchmark), both ways are measured and the faster is the one taken;
+untimed or off, the problem runs as it is; problems it does not apply to are never padded; padded plans survive the
+persistent plan cache. Knobs are read once per process: each setting runs in its own process."""
 
 from __future__ import annotations
 
@@ -64,7 +65,10 @@ for n, c, hw, k, r, stride, pad, dil, mode_name, act, channels_last in CASES:
         assert_close(got.detach().cpu().double(), want.detach(), mode, f"case {(n, c, hw, k, r, mode_name, act)}: {what}")
     info = torch_convbias.explain(x, w, b, stride=stride, padding=pad, dilation=dil, activation=act)
     trained = torch_convbias.explain(x, w, b, stride=stride, padding=pad, dilation=dil, activation=act, for_backward=True)
+    wgrad = torch_convbias.explain_param_grad(dy, x, w, stride=stride, padding=pad, dilation=dil)["weight_grad"]
     rows.append({"case": [c, mode_name, act, channels_last], "padded": info.get("padded_channels"),
+                 "padded_wgrad": wgrad.get("padded_channels"),
+                 "wgrad_timings": {"padded": wgrad.get("padded_ms", -1), "as_is": wgrad.get("as_is_ms", -1)},
                  "padded_for_backward": trained.get("padded_channels"), "timings": dict(info.get("layout_timings", [])),
                  "notes": info.get("notes", []), "layout": info["layout"]})
 print(json.dumps({"rows": rows, "cache": torch_convbias.cache_info()}))
@@ -103,6 +107,8 @@ def test_forced_padding_matches_conv2d_and_is_reported() -> None:
         assert row["padded"] == expected and row["padded_for_backward"] == expected, row
         if channels_last:
             assert any("zero-padded from" in note and "PAD_CHANNELS=on" in note for note in row["notes"]), row
+        # The weight gradient of NCHW tensors is ATen's (nn.Conv2d's path): never padded.
+        assert row["padded_wgrad"] == (expected if channels_last else None), row
 
 
 @cuda
@@ -117,6 +123,9 @@ def test_timed_choice_measures_both_ways_and_keeps_the_faster() -> None:
         assert set(timings) == {"as_is", "padded_channels"} and all(ms > 0 for ms in timings.values()), row
         faster = timings["padded_channels"] < timings["as_is"]
         assert (row["padded"] is not None) == faster, row
+        wgrad = row["wgrad_timings"]
+        assert wgrad["padded"] > 0 and wgrad["as_is"] > 0, row
+        assert (row["padded_wgrad"] is not None) == (wgrad["padded"] < wgrad["as_is"]), row
 
 
 @cuda
@@ -128,6 +137,7 @@ def test_untimed_and_off_run_the_problem_as_it_is() -> None:
         for row in report["rows"]:
             assert row["padded"] is None and row["padded_for_backward"] is None, (tuning, row)
             assert "padded_channels" not in row["timings"], (tuning, row)
+            assert row["padded_wgrad"] is None and row["wgrad_timings"]["padded"] == -1, (tuning, row)
 
 
 @cuda
@@ -148,6 +158,7 @@ def test_problems_it_does_not_apply_to_are_never_padded(c: int, groups: int, dty
         with math_mode(MODES["float32"]):
             y = torch_convbias.conv_bias2d(x, w, b, padding=1, groups=groups)
             info = torch_convbias.explain(x, w, b, padding=1, groups=groups)
+            wgrad = torch_convbias.explain_param_grad(torch.ones_like(y), x, w, padding=1, groups=groups)["weight_grad"]
     finally:
         torch.backends.cudnn.benchmark = saved
     mode = MODES["float64" if dtype == torch.float64 else "float32" if dtype == torch.float32 else "bfloat16"]
@@ -155,6 +166,7 @@ def test_problems_it_does_not_apply_to_are_never_padded(c: int, groups: int, dty
     assert_close(y.cpu().double(), expected, mode, "output")
     assert info.get("padded_channels") is None, info
     assert "padded_channels" not in dict(info.get("layout_timings") or []), info
+    assert wgrad.get("padded_channels") is None and wgrad.get("padded_ms", -1) == -1, wgrad
 
 
 @cuda
@@ -167,6 +179,6 @@ def test_padded_plan_is_stored_and_loaded(tmp_path: Path) -> None:
     assert second["cache"]["disk_hits"] > 0 and second["cache"]["disk_rejected"] == 0, second["cache"]
     for row in second["rows"]:
         if row["case"][-1]:
-            assert row["padded"] is not None, row
+            assert row["padded"] is not None and row["padded_wgrad"] is not None, row
             assert any("loaded from the persistent plan cache" in note for note in row["notes"]), row
 

@@ -119,7 +119,9 @@ def explain_param_grad(
     ``weight_grad``: ``path`` (``cudnn graph``: a cuDNN conv_wgrad graph; ``aten``: ATen's weight gradient,
     nn.Conv2d's own) with ``notes`` saying why, and for channels_last tensors ``problem``, ``cached``,
     ``plan_build_seconds``, ``graph_ms`` / ``aten_ms`` (both measured once per key when timing is allowed, the
-    faster kept; -1 when not measured) and ``engine`` as in :func:`explain`. ``bias_grad``: ``way`` (``kernel``:
+    faster kept; -1 when not measured), ``padded_channels`` (the input channel count the gradient ran with on a
+    zero-padded copy of the input, ``TORCH_CONVBIAS_PAD_CHANNELS``; null when as it is) with ``padded_ms`` / ``as_is_ms``
+    (the two ways, when measured) and ``engine`` as in :func:`explain`. ``bias_grad``: ``way`` (``kernel``:
     ours; ``cudnn``: a reduction graph; ``aten``: ATen's sum), ``notes`` and, for the kernel, ``launch``
     (``blocks_per_sm``, ``loads_in_flight``, ``bands``: ``contiguous`` or ``interleaved``, ``timed``). ``math``: the flags that select engines. Builds and caches
     plans exactly as the call would; on CUDA that may run the gradients a few times to time candidates.

@@ -185,6 +185,9 @@ std::string explain_param_grad_cuda(
         {"plan_build_seconds", route.build_seconds},
         {"graph_ms", number(plan.graph_ms)},
         {"aten_ms", number(plan.aten_ms)},
+        {"padded_channels", plan.via_padded_channels ? Json(route.problem.padded_channels()) : Json()},
+        {"padded_ms", number(plan.padded_ms)},
+        {"as_is_ms", number(plan.as_is_ms)},
         {"notes", plan.notes}};
     if (plan.graph) {
       weight_grad["engine"] = engine_json(plan.engine);

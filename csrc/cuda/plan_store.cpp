@@ -39,7 +39,8 @@ namespace fs = std::filesystem;
 // 5: the residual (forward_residual) in forward keys, "residual_fused" in forward records.
 // 6: the routes behind forward records changed (16-bit activation passes after a graph are ours; "aten" with a bias and
 //    an activation is ATen's convolution + our bias and activation pass): choices timed before compared other routes.
-// 7: "via_padded_channels" in forward records (a plan run on zero-padded input channels), the PAD_CHANNELS knob.
+// 7: "via_padded_channels" in forward and weight-gradient records (a plan run on zero-padded input channels; the
+//    weight gradient's also "padded_ms" / "as_is_ms"), the PAD_CHANNELS knob.
 constexpr int64_t kFormatVersion = 7;
 constexpr char kMagic[8] = {'C', 'V', 'B', 'P', 'L', 'A', 'N', '1'};
 

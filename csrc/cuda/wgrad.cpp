@@ -4,6 +4,7 @@
 
 #include "cuda/forward_setup.h"
 #include "cuda/knobs.h"
+#include "cuda/pad_channels.h"
 #include "cuda/plan_store.h"
 
 #include <sstream>
@@ -32,7 +33,18 @@ VariantPack variant_pack(const at::Tensor& x, const at::Tensor& dy, const at::Te
   return {{kX, x.data_ptr()}, {kDY, dy.data_ptr()}, {kDW, dw.data_ptr()}};
 }
 
-std::shared_ptr<const WgradPlan> build_plan(
+// dw of the padded problem for `dw` ([K, C, R, S] channels_last): [K, channels, R, S] channels_last, uninitialised.
+at::Tensor padded_dw(const at::Tensor& dw, int64_t channels) {
+  return at::empty({dw.size(0), channels, dw.size(2), dw.size(3)}, dw.options().memory_format(at::MemoryFormat::ChannelsLast));
+}
+
+std::shared_ptr<const WgradPlan> wgrad_plan(
+    const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw, bool* was_cached,
+    double* build_seconds);
+
+// The plan for the problem as it is: the conv_wgrad graph, or ATen's weight gradient where no graph builds or (timed)
+// ATen measured faster.
+std::shared_ptr<WgradPlan> build_plan_as_is(
     const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw) {
   auto plan = std::make_shared<WgradPlan>();
   const SelectionPolicy policy = default_policy(p.dtype, p.flags);
@@ -73,13 +85,113 @@ std::shared_ptr<const WgradPlan> build_plan(
   return plan;
 }
 
-std::optional<plan_store::Json> plan_record(const WgradPlan& plan) {
-  plan_store::Json r{{"graph_ms", plan.graph_ms}, {"aten_ms", plan.aten_ms}, {"notes", plan.notes}};
-  return plan_store::put_graph(r, plan.graph, plan.engine) ? std::optional(r) : std::nullopt;
+// As the forward's (fprop.cpp): a problem with padded_channels() also runs on a zero-padded copy of x into a padded
+// dw, the first C channels kept; under timed choices both ways are measured (the copies included) and the faster kept;
+// untimed, as it is; TORCH_CONVBIAS_PAD_CHANNELS=on / off: always (where its graph builds) / never.
+std::shared_ptr<const WgradPlan> consider_padded_channels(
+    const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw,
+    std::shared_ptr<WgradPlan> own) {
+  const auto& k = knobs();
+  const int64_t channels = p.padded_channels();
+  const bool timed = current_tuning(p.flags) != Tuning::Untimed;
+  if (channels == 0 || k.pad_channels == "off" || (k.pad_channels == "auto" && (!timed || own->transient))) {
+    return own;
+  }
+  const WgradProblem q = p.with_padded_channels();
+  std::ostringstream what;
+  what << "input channels zero-padded from " << p.x_dims[1] << " to " << channels << " (16-byte rows)";
+  const at::Tensor dw_padded = padded_dw(dw, channels);
+  const auto padded = wgrad_plan(q, pad_channels(x, channels), dy, dw_padded, nullptr, nullptr);
+  if (!padded->graph) {
+    own->notes.push_back(what.str() + ": no conv_wgrad graph runs that problem either");
+    return own;
+  }
+  auto via_padded = [&] {
+    auto plan = std::make_shared<WgradPlan>(*padded);
+    plan->via_padded_channels = padded;
+    plan->notes.push_back(what.str());
+    return plan;
+  };
+  if (k.pad_channels == "on") {
+    auto plan = via_padded();
+    plan->notes.back() += " (TORCH_CONVBIAS_PAD_CHANNELS=on)";
+    return plan;
+  }
+  // Both complete ways, as calls run them: the padded one with the copy of x and the copy out of the padded dw.
+  const ConvParams& c = p.params;
+  const auto describe = [&] { return "conv_wgrad graph for " + p.describe(); };
+  const float as_is_ms = time_on_stream([&] {
+    if (own->graph) {
+      VariantPack pack = variant_pack(x, dy, dw);
+      execute_plan(*own->graph, own->engine, pack, x.options(), describe);
+    } else {
+      (void)at::convolution_backward(
+          dy, x, dw, std::nullopt, c.stride, c.padding, c.dilation, /*transposed=*/false, {0, 0}, c.groups,
+          {false, true, false});
+    }
+  });
+  const float padded_ms = time_on_stream([&] {
+    const at::Tensor x_padded = pad_channels(x, channels);
+    VariantPack pack = variant_pack(x_padded, dy, dw_padded);
+    execute_plan(*padded->graph, padded->engine, pack, x.options(), describe);
+    (void)with_layout(dw_padded.narrow(1, 0, p.w_dims[1]), at::MemoryFormat::ChannelsLast);
+  });
+  std::ostringstream measured;
+  measured << padded_ms << " ms against " << as_is_ms << " ms as it is";
+  if (padded_ms < as_is_ms) {
+    auto plan = via_padded();
+    plan->notes.back() += ": measured faster, " + measured.str();
+    plan->padded_ms = padded_ms;
+    plan->as_is_ms = as_is_ms;
+    return plan;
+  }
+  own->notes.push_back(what.str() + " measured slower: " + measured.str());
+  own->padded_ms = padded_ms;
+  own->as_is_ms = as_is_ms;
+  return own;
 }
 
-std::shared_ptr<const WgradPlan> plan_from_record(const plan_store::Json& r, const WgradProblem& p) {
-  auto plan = std::make_shared<WgradPlan>();
+std::shared_ptr<const WgradPlan> build_plan(
+    const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw) {
+  return consider_padded_channels(p, x, dy, dw, build_plan_as_is(p, x, dy, dw));
+}
+
+std::optional<plan_store::Json> plan_record(const WgradPlan& plan) {
+  plan_store::Json r{
+      {"graph_ms", plan.graph_ms}, {"aten_ms", plan.aten_ms}, {"notes", plan.notes},
+      {"via_padded_channels", plan.via_padded_channels != nullptr}, {"padded_ms", plan.padded_ms},
+      {"as_is_ms", plan.as_is_ms}};
+  // A plan run on padded copies stores its choice only: the padded problem's plan is stored under its own key.
+  return plan_store::put_graph(r, plan.via_padded_channels ? nullptr : plan.graph, plan.engine) ? std::optional(r)
+                                                                                                 : std::nullopt;
+}
+
+// The plan a record describes, or null when it does not fit (a padded choice looks up, loads or builds the padded
+// problem's plan on copies of these tensors).
+std::shared_ptr<const WgradPlan> plan_from_record(
+    const plan_store::Json& r, const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw) {
+  std::shared_ptr<WgradPlan> plan;
+  if (r.at("via_padded_channels").get<bool>()) {
+    const int64_t channels = p.padded_channels();
+    if (channels == 0) {
+      return nullptr;
+    }
+    auto via = wgrad_plan(p.with_padded_channels(), pad_channels(x, channels), dy, padded_dw(dw, channels), nullptr, nullptr);
+    if (!via->graph) {
+      return nullptr;
+    }
+    plan = std::make_shared<WgradPlan>(*via);
+    plan->via_padded_channels = via;
+    plan->timed = true;
+    plan->graph_ms = r.at("graph_ms").get<float>();
+    plan->aten_ms = r.at("aten_ms").get<float>();
+    plan->padded_ms = r.at("padded_ms").get<float>();
+    plan->as_is_ms = r.at("as_is_ms").get<float>();
+    plan->notes = r.at("notes").get<std::vector<std::string>>();
+    plan->notes.push_back("loaded from the persistent plan cache");
+    return plan;
+  }
+  plan = std::make_shared<WgradPlan>();
   std::string why;
   const plan_store::ExpectedTensors expected{
       {kX, {as_vector(p.x_dims), channels_last_strides(p.x_dims)}},
@@ -91,9 +203,20 @@ std::shared_ptr<const WgradPlan> plan_from_record(const plan_store::Json& r, con
   plan->timed = true;
   plan->graph_ms = r.at("graph_ms").get<float>();
   plan->aten_ms = r.at("aten_ms").get<float>();
+  plan->padded_ms = r.at("padded_ms").get<float>();
+  plan->as_is_ms = r.at("as_is_ms").get<float>();
   plan->notes = r.at("notes").get<std::vector<std::string>>();
   plan->notes.push_back("loaded from the persistent plan cache");
   return plan;
+}
+
+std::shared_ptr<const WgradPlan> wgrad_plan(
+    const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw, bool* was_cached,
+    double* build_seconds) {
+  return lookup_plan<WgradPlan>(
+      wgrad_cache(), "weight_grad", p.key(), requested_tuning(p.flags) != Tuning::Untimed,
+      [&](const plan_store::Json& r) { return plan_from_record(r, p, x, dy, dw); },
+      [&] { return build_plan(p, x, dy, dw); }, &plan_record, build_seconds, was_cached);
 }
 
 } // namespace
@@ -127,6 +250,25 @@ std::string WgradProblem::describe() const {
     << ", padding " << at::IntArrayRef(params.padding) << ", dilation " << at::IntArrayRef(params.dilation)
     << ", groups " << params.groups;
   return s.str();
+}
+
+int64_t WgradProblem::padded_channels() const {
+  if (params.groups != 1) {
+    return 0;
+  }
+  const int64_t channels = padded_channel_count(dtype, x_dims[1]);
+  return channels > x_dims[1] ? channels : 0;
+}
+
+WgradProblem WgradProblem::with_padded_channels() const {
+  const int64_t channels = padded_channels();
+  TORCH_INTERNAL_ASSERT(channels > 0);
+  WgradProblem p = *this;
+  p.x_dims[1] = channels;
+  p.w_dims[1] = channels;
+  p.alignments[0] = 16;
+  p.alignments[2] = 16;
+  return p;
 }
 
 PlanCaches<WgradPlan>& wgrad_cache() {
@@ -164,12 +306,12 @@ WeightGradRoute route_weight_grad(
   p.params = params;
   p.alignments = {pointer_alignment(route.x), pointer_alignment(route.dy), pointer_alignment(route.dw)};
   p.flags = current_math_flags();
-  const PlanKey key = p.key();
-  route.plan = lookup_plan<WgradPlan>(
-      wgrad_cache(), "weight_grad", key, requested_tuning(p.flags) != Tuning::Untimed,
-      [&](const plan_store::Json& r) { return plan_from_record(r, p); },
-      [&] { return build_plan(p, route.x, route.dy, route.dw); }, &plan_record, &route.build_seconds,
-      &route.was_cached);
+  route.plan = wgrad_plan(p, route.x, route.dy, route.dw, &route.was_cached, &route.build_seconds);
+  if (route.plan->via_padded_channels) {
+    const int64_t channels = p.padded_channels();
+    route.x = pad_channels(route.x, channels);
+    route.dw = padded_dw(route.dw, channels);
+  }
   return route;
 }
 
@@ -179,8 +321,9 @@ at::Tensor run_weight_grad(const WeightGradRoute& route, const at::Tensor& weigh
   execute_plan(*route.plan->graph, route.plan->engine, pack, route.x.options(), [&] {
     return "conv_wgrad graph for " + route.problem.describe();
   });
-  constexpr auto cl = at::MemoryFormat::ChannelsLast;
-  return with_layout(route.dw, memory_format_of(weight));
+  // On padded copies the gradient is the first C channels of the padded dw (the others belong to the zeros of x).
+  const at::Tensor dw = route.plan->via_padded_channels ? route.dw.narrow(1, 0, weight.size(1)) : route.dw;
+  return with_layout(dw, memory_format_of(weight));
 }
 
 } // namespace convbias::cuda

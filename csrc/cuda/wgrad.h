@@ -25,6 +25,10 @@ struct WgradProblem {
 
   PlanKey key() const;
   std::string describe() const;
+  // As FpropProblem's: the input channel count of the same problem on zero-padded copies of x (dw then has the
+  // padded channels too, the extra ones discarded), or 0 where that way does not apply (pad_channels.h).
+  int64_t padded_channels() const;
+  WgradProblem with_padded_channels() const; // on those copies (fresh, 16-byte aligned)
 };
 
 struct WgradPlan {
@@ -35,6 +39,12 @@ struct WgradPlan {
   std::vector<std::string> notes;
   bool timed = false; // graph candidates and graph vs ATen were timed
   bool transient = false; // ATen because no candidate's workspace could be allocated now: neither cached nor stored
+  // Taken when the problem on zero-padded input channels measured faster (the copies included) or
+  // TORCH_CONVBIAS_PAD_CHANNELS=on: that problem's plan (graph and engine above copied from it), run on the padded
+  // x into a padded dw whose first C channels are the gradient; padded_ms / as_is_ms: the two ways, when measured.
+  std::shared_ptr<const WgradPlan> via_padded_channels;
+  float padded_ms = -1;
+  float as_is_ms = -1;
 };
 
 PlanCaches<WgradPlan>& wgrad_cache();
@@ -44,7 +54,9 @@ struct WeightGradRoute {
   // Set: ATen's weight gradient, for this reason, without trying a graph (NCHW tensors, float64, the knob, ...).
   std::optional<std::string> aten_reason;
   WgradProblem problem;
-  at::Tensor dy, x, dw; // channels_last and 16-byte aligned; dw allocated for the graph to write
+  // channels_last and 16-byte aligned; dw allocated for the graph to write. With the plan's via_padded_channels, x and
+  // dw have problem.padded_channels() channels (x zero-padded).
+  at::Tensor dy, x, dw;
   // The cached plan; without a graph in it ATen runs (no graph builds, or ATen was measured faster: see notes).
   std::shared_ptr<const WgradPlan> plan;
   bool was_cached = false;
