@@ -10,6 +10,7 @@
 #include "cuda/bias_activation.h"
 #include "cuda/epilogue.h"
 #include "cuda/pad_channels.h"
+#include "cuda/padded_choice.h"
 #include "cuda/plan_store.h"
 #include "cuda/test_hook.h"
 #include "reference.h"
@@ -600,50 +601,29 @@ std::shared_ptr<const FpropPlan> build_nchw_plan(
 std::shared_ptr<const FpropPlan> consider_padded_channels(
     const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
     std::shared_ptr<FpropPlan> own) {
-  const auto& k = knobs();
   const int64_t channels = p.padded_channels();
-  const bool timed = current_tuning(p.flags) != Tuning::Untimed;
-  if (channels == 0 || k.pad_channels == "off" || (k.pad_channels == "auto" && (!timed || own->transient))) {
+  if (!padded_way_tried(channels, p.flags, own->transient)) {
     return own;
   }
   const FpropProblem q = p.with_padded_channels();
-  std::ostringstream what;
-  what << "input channels zero-padded from " << p.x_dims[1] << " to " << channels << " (16-byte rows)";
-  const auto padded = fprop_plan(q, pad_channels(x, channels), pad_channels(w, channels), b);
+  const std::string note = padded_way_note(p.x_dims[1], channels);
+  const std::shared_ptr<const FpropPlan> padded = fprop_plan(q, pad_channels(x, channels), pad_channels(w, channels), b);
   if (padded->path == FpropPath::Aten) {
-    own->notes.push_back(what.str() + ": no cuDNN graph builds for that problem either");
+    own->notes.push_back(note + ": no cuDNN graph builds for that problem either");
     return own;
   }
-  auto via_padded = [&] {
-    auto plan = std::make_shared<FpropPlan>(*padded);
-    plan->via_padded_channels = padded;
-    plan->notes.push_back(what.str());
-    return plan;
-  };
-  if (k.pad_channels == "on") {
-    auto plan = via_padded();
-    plan->notes.back() += " (TORCH_CONVBIAS_PAD_CHANNELS=on)";
-    return plan;
-  }
   // Both complete ways on these tensors, as calls run them: the padded one with its two copies.
-  const float own_ms = time_on_stream([&] {
-    (void)(own->path == FpropPath::Aten ? run_aten(p, x, w, b) : run_plan(*own, p, x, w, b).first);
-  });
-  const float padded_ms = time_on_stream([&] {
-    (void)run_plan(*padded, q, pad_channels(x, channels), pad_channels(w, channels), b);
-  });
-  std::vector<std::pair<std::string, float>> timings{{"as_is", own_ms}, {"padded_channels", padded_ms}};
-  std::ostringstream measured;
-  measured << padded_ms << " ms against " << own_ms << " ms as it is";
-  if (padded_ms < own_ms) {
-    auto plan = via_padded();
-    plan->notes.back() += ": measured faster, " + measured.str();
-    plan->layout_timings = std::move(timings);
-    return plan;
-  }
-  own->notes.push_back(what.str() + " measured slower: " + measured.str());
-  own->layout_timings = std::move(timings);
-  return own;
+  return keep_padded_or_own<FpropPlan>(
+      own, padded, note,
+      [&] {
+        return time_on_stream([&] {
+          (void)(own->path == FpropPath::Aten ? run_aten(p, x, w, b) : run_plan(*own, p, x, w, b).first);
+        });
+      },
+      [&] { return time_on_stream([&] { (void)run_plan(*padded, q, pad_channels(x, channels), pad_channels(w, channels), b); }); },
+      [](FpropPlan& plan, float own_ms, float padded_ms) {
+        plan.layout_timings = {{"as_is", own_ms}, {"padded_channels", padded_ms}};
+      });
 }
 
 std::shared_ptr<const FpropPlan> build_plan(
@@ -932,11 +912,7 @@ FpropProblem FpropProblem::as_channels_last() const {
 }
 
 int64_t FpropProblem::padded_channels() const {
-  if (!channels_last || params.groups != 1 || has_residual) {
-    return 0;
-  }
-  const int64_t channels = padded_channel_count(dtype, x_dims[1]);
-  return channels > x_dims[1] ? channels : 0;
+  return channels_last && !has_residual ? padded_channel_count(dtype, x_dims[1], params.groups) : 0;
 }
 
 FpropProblem FpropProblem::with_padded_channels() const {

@@ -10,10 +10,11 @@
 
 namespace convbias::cuda {
 
-// The channel count a channels_last forward of `dtype` with `channels` input channels runs with when padded: the next
-// multiple of 16 bytes' worth of elements, or `channels` itself when its rows are already 16-byte multiples or the
-// dtype is not one cuDNN's aligned engines take (float16, bfloat16, float32).
-int64_t padded_channel_count(at::ScalarType dtype, int64_t channels);
+// The input channel count a channels_last convolution of `dtype` with `channels` input channels in `groups` groups runs
+// with when padded: the next multiple of 16 bytes' worth of elements; 0 where padding does not apply: rows already
+// 16-byte multiples, grouped convolutions, dtypes other than float16, bfloat16 and float32 (those cuDNN's aligned
+// engines take).
+int64_t padded_channel_count(at::ScalarType dtype, int64_t channels, int64_t groups);
 
 // `t` ([A, C, B, D], fully packed channels_last: rows of C elements in memory) copied into a new channels_last tensor
 // [A, channels, B, D] whose channels C..channels-1 are zeros, in one pass over the output on the current stream.

@@ -5,6 +5,7 @@
 #include "cuda/forward_setup.h"
 #include "cuda/knobs.h"
 #include "cuda/pad_channels.h"
+#include "cuda/padded_choice.h"
 #include "cuda/plan_store.h"
 
 #include <sstream>
@@ -91,64 +92,45 @@ std::shared_ptr<WgradPlan> build_plan_as_is(
 std::shared_ptr<const WgradPlan> consider_padded_channels(
     const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw,
     std::shared_ptr<WgradPlan> own) {
-  const auto& k = knobs();
   const int64_t channels = p.padded_channels();
-  const bool timed = current_tuning(p.flags) != Tuning::Untimed;
-  if (channels == 0 || k.pad_channels == "off" || (k.pad_channels == "auto" && (!timed || own->transient))) {
+  if (!padded_way_tried(channels, p.flags, own->transient)) {
     return own;
   }
-  const WgradProblem q = p.with_padded_channels();
-  std::ostringstream what;
-  what << "input channels zero-padded from " << p.x_dims[1] << " to " << channels << " (16-byte rows)";
+  const std::string note = padded_way_note(p.x_dims[1], channels);
   const at::Tensor dw_padded = padded_dw(dw, channels);
-  const auto padded = wgrad_plan(q, pad_channels(x, channels), dy, dw_padded, nullptr, nullptr);
+  const std::shared_ptr<const WgradPlan> padded =
+      wgrad_plan(p.with_padded_channels(), pad_channels(x, channels), dy, dw_padded, nullptr, nullptr);
   if (!padded->graph) {
-    own->notes.push_back(what.str() + ": no conv_wgrad graph runs that problem either");
+    own->notes.push_back(note + ": no conv_wgrad graph runs that problem either");
     return own;
-  }
-  auto via_padded = [&] {
-    auto plan = std::make_shared<WgradPlan>(*padded);
-    plan->via_padded_channels = padded;
-    plan->notes.push_back(what.str());
-    return plan;
-  };
-  if (k.pad_channels == "on") {
-    auto plan = via_padded();
-    plan->notes.back() += " (TORCH_CONVBIAS_PAD_CHANNELS=on)";
-    return plan;
   }
   // Both complete ways, as calls run them: the padded one with the copy of x and the copy out of the padded dw.
   const ConvParams& c = p.params;
   const auto describe = [&] { return "conv_wgrad graph for " + p.describe(); };
-  const float as_is_ms = time_on_stream([&] {
-    if (own->graph) {
-      VariantPack pack = variant_pack(x, dy, dw);
-      execute_plan(*own->graph, own->engine, pack, x.options(), describe);
-    } else {
-      (void)at::convolution_backward(
-          dy, x, dw, std::nullopt, c.stride, c.padding, c.dilation, /*transposed=*/false, {0, 0}, c.groups,
-          {false, true, false});
-    }
+  const auto time_own = [&] {
+    return time_on_stream([&] {
+      if (own->graph) {
+        VariantPack pack = variant_pack(x, dy, dw);
+        execute_plan(*own->graph, own->engine, pack, x.options(), describe);
+      } else {
+        (void)at::convolution_backward(
+            dy, x, dw, std::nullopt, c.stride, c.padding, c.dilation, /*transposed=*/false, {0, 0}, c.groups,
+            {false, true, false});
+      }
+    });
+  };
+  const auto time_padded = [&] {
+    return time_on_stream([&] {
+      const at::Tensor x_padded = pad_channels(x, channels); // alive while the graph runs
+      VariantPack pack = variant_pack(x_padded, dy, dw_padded);
+      execute_plan(*padded->graph, padded->engine, pack, x.options(), describe);
+      (void)with_layout(dw_padded.narrow(1, 0, p.w_dims[1]), at::MemoryFormat::ChannelsLast);
+    });
+  };
+  return keep_padded_or_own<WgradPlan>(own, padded, note, time_own, time_padded, [](WgradPlan& plan, float own_ms, float padded_ms) {
+    plan.as_is_ms = own_ms;
+    plan.padded_ms = padded_ms;
   });
-  const float padded_ms = time_on_stream([&] {
-    const at::Tensor x_padded = pad_channels(x, channels);
-    VariantPack pack = variant_pack(x_padded, dy, dw_padded);
-    execute_plan(*padded->graph, padded->engine, pack, x.options(), describe);
-    (void)with_layout(dw_padded.narrow(1, 0, p.w_dims[1]), at::MemoryFormat::ChannelsLast);
-  });
-  std::ostringstream measured;
-  measured << padded_ms << " ms against " << as_is_ms << " ms as it is";
-  if (padded_ms < as_is_ms) {
-    auto plan = via_padded();
-    plan->notes.back() += ": measured faster, " + measured.str();
-    plan->padded_ms = padded_ms;
-    plan->as_is_ms = as_is_ms;
-    return plan;
-  }
-  own->notes.push_back(what.str() + " measured slower: " + measured.str());
-  own->padded_ms = padded_ms;
-  own->as_is_ms = as_is_ms;
-  return own;
 }
 
 std::shared_ptr<const WgradPlan> build_plan(
@@ -182,23 +164,16 @@ std::shared_ptr<const WgradPlan> plan_from_record(
     }
     plan = std::make_shared<WgradPlan>(*via);
     plan->via_padded_channels = via;
-    plan->timed = true;
-    plan->graph_ms = r.at("graph_ms").get<float>();
-    plan->aten_ms = r.at("aten_ms").get<float>();
-    plan->padded_ms = r.at("padded_ms").get<float>();
-    plan->as_is_ms = r.at("as_is_ms").get<float>();
-    plan->notes = r.at("notes").get<std::vector<std::string>>();
-    plan->notes.push_back("loaded from the persistent plan cache");
-    return plan;
-  }
-  plan = std::make_shared<WgradPlan>();
-  std::string why;
-  const plan_store::ExpectedTensors expected{
-      {kX, {as_vector(p.x_dims), channels_last_strides(p.x_dims)}},
-      {kDY, {as_vector(p.dy_dims), channels_last_strides(p.dy_dims)}},
-      {kDW, {as_vector(p.w_dims), channels_last_strides(p.w_dims)}}};
-  if (!plan_store::take_graph(r, expected, plan->graph, plan->engine, &why)) {
-    return nullptr;
+  } else {
+    plan = std::make_shared<WgradPlan>();
+    std::string why;
+    const plan_store::ExpectedTensors expected{
+        {kX, {as_vector(p.x_dims), channels_last_strides(p.x_dims)}},
+        {kDY, {as_vector(p.dy_dims), channels_last_strides(p.dy_dims)}},
+        {kDW, {as_vector(p.w_dims), channels_last_strides(p.w_dims)}}};
+    if (!plan_store::take_graph(r, expected, plan->graph, plan->engine, &why)) {
+      return nullptr;
+    }
   }
   plan->timed = true;
   plan->graph_ms = r.at("graph_ms").get<float>();
@@ -253,11 +228,7 @@ std::string WgradProblem::describe() const {
 }
 
 int64_t WgradProblem::padded_channels() const {
-  if (params.groups != 1) {
-    return 0;
-  }
-  const int64_t channels = padded_channel_count(dtype, x_dims[1]);
-  return channels > x_dims[1] ? channels : 0;
+  return padded_channel_count(dtype, x_dims[1], params.groups);
 }
 
 WgradProblem WgradProblem::with_padded_channels() const {
