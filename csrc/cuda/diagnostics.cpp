@@ -16,6 +16,7 @@
 #include "cuda/bias_reduction.h"
 #include "cuda/epilogue.h"
 #include "cuda/plan_store.h"
+#include "cuda/dgrad.h"
 #include "cuda/wgrad.h"
 #include "json.h"
 
@@ -180,7 +181,30 @@ std::string explain_param_grad_cuda(
       weight_grad["engine"] = engine_json(plan.engine);
     }
   }
-  return Json{{"math", math_json()}, {"weight_grad", weight_grad}, {"bias_grad", bias_grad_json(grad_output)}}.dump();
+  Json input_grad;
+  const cuda::InputGradRoute input_route = cuda::route_input_grad(grad_output, input, weight, params);
+  if (input_route.aten_reason) {
+    input_grad = {{"path", "aten"}, {"notes", Json::array({*input_route.aten_reason})}};
+  } else {
+    const cuda::DgradPlan& plan = *input_route.plan;
+    input_grad = {
+        {"path", input_route.runs_graph() ? "cudnn graph" : "aten"},
+        {"problem", input_route.problem.describe()},
+        {"cached", input_route.was_cached},
+        {"plan_build_seconds", input_route.build_seconds},
+        {"graph_ms", number(plan.graph_ms)},
+        {"aten_ms", number(plan.aten_ms)},
+        {"notes", plan.notes}};
+    if (plan.graph) {
+      input_grad["engine"] = engine_json(plan.engine);
+    }
+  }
+  return Json{
+      {"math", math_json()},
+      {"weight_grad", weight_grad},
+      {"bias_grad", bias_grad_json(grad_output)},
+      {"input_grad", input_grad}}
+      .dump();
 }
 
 // How _activation_backward computes grad_z and grad_bias: "fused kernel" (with its launch) or "aten" with the notes
@@ -363,10 +387,12 @@ std::string plan_cache_stats() {
   cuda::CacheStats s = cuda::fprop_cache().eager.stats();
   const cuda::CacheStats forward = s;
   const cuda::CacheStats w = cuda::wgrad_cache().eager.stats();
-  const int64_t capture_plans = cuda::fprop_cache().capture.stats().size + cuda::wgrad_cache().capture.stats().size;
+  const cuda::CacheStats d = cuda::dgrad_cache().eager.stats();
+  const int64_t capture_plans = cuda::fprop_cache().capture.stats().size + cuda::wgrad_cache().capture.stats().size +
+      cuda::dgrad_cache().capture.stats().size;
   const cuda::CacheStats r = cuda::bias_reduction_cache_stats();
   const cuda::plan_store::StoreStats disk = cuda::plan_store::stats();
-  for (const cuda::CacheStats* other : {&w, &r}) {
+  for (const cuda::CacheStats* other : {&w, &d, &r}) {
     s.hits += other->hits;
     s.misses += other->misses;
     s.evictions += other->evictions;
@@ -380,6 +406,7 @@ std::string plan_cache_stats() {
       {"size", s.size},
       {"forward_plans", forward.size},
       {"weight_grad_plans", w.size},
+      {"input_grad_plans", d.size},
       {"bias_grad_plans", r.size},
       {"capture_plans", capture_plans},
       {"capacity", s.capacity},
@@ -397,6 +424,7 @@ std::string plan_cache_stats() {
 void plan_cache_clear() {
   cuda::fprop_cache().clear();
   cuda::wgrad_cache().clear();
+  cuda::dgrad_cache().clear();
   cuda::bias_reduction_cache_clear();
 }
 
