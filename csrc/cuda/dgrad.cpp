@@ -80,53 +80,18 @@ std::shared_ptr<const DgradPlan> build_plan(
   return plan;
 }
 
-std::optional<plan_store::Json> plan_record(const DgradPlan& plan) {
-  // A null graph (ATen measured faster) is stored too: the choice is the measurement.
-  plan_store::Json r{{"graph_ms", plan.graph_ms}, {"aten_ms", plan.aten_ms}, {"notes", plan.notes}};
-  return plan_store::put_graph(r, plan.graph, plan.engine) ? std::optional(r) : std::nullopt;
-}
-
-std::shared_ptr<const DgradPlan> plan_from_record(const plan_store::Json& r, const DgradProblem& p) {
-  auto plan = std::make_shared<DgradPlan>();
-  std::string why;
-  const plan_store::ExpectedTensors expected{
+plan_store::ExpectedTensors expected_tensors(const DgradProblem& p) {
+  return {
       {kDY, {as_vector(p.dy_dims), channels_last_strides(p.dy_dims)}},
       {kW, {as_vector(p.w_dims), channels_last_strides(p.w_dims)}},
       {kDX, {as_vector(p.x_dims), channels_last_strides(p.x_dims)}}};
-  if (!plan_store::take_graph(r, expected, plan->graph, plan->engine, &why)) {
-    return nullptr;
-  }
-  plan->timed = true;
-  plan->graph_ms = r.at("graph_ms").get<float>();
-  plan->aten_ms = r.at("aten_ms").get<float>();
-  plan->notes = r.at("notes").get<std::vector<std::string>>();
-  plan->notes.push_back("loaded from the persistent plan cache");
-  return plan;
 }
 
 } // namespace
 
 PlanKey DgradProblem::key() const {
-  PlanKey key;
-  auto& f = key.fields;
-  f.reserve(36);
-  f.push_back(4); // graph kind: input gradient
-  f.push_back(static_cast<int64_t>(dtype));
-  f.push_back(device); // fields[2]: the device (plan_store::load leaves it out)
-  for (const auto* dims : {&dy_dims, &w_dims, &x_dims}) {
-    f.insert(f.end(), dims->begin(), dims->end());
-  }
-  for (int d = 0; d < 2; ++d) {
-    f.push_back(params.stride[d]);
-    f.push_back(params.padding[d]);
-    f.push_back(params.dilation[d]);
-  }
-  f.push_back(params.groups);
-  f.insert(f.end(), alignments.begin(), alignments.end());
-  f.push_back(flags.allow_tf32 && dtype == at::kFloat);
-  f.push_back(flags.deterministic);
-  f.push_back(flags.benchmark);
-  return key;
+  // The groups follow from the dims (input channels against the weight's).
+  return gradient_plan_key(/*kind=*/4, dtype, device, {dy_dims, w_dims, x_dims}, params, alignments, flags);
 }
 
 std::string DgradProblem::describe() const {
@@ -176,8 +141,8 @@ InputGradRoute route_input_grad(
   p.flags = flags;
   route.plan = lookup_plan<DgradPlan>(
       dgrad_cache(), "input_grad", p.key(), /*timed=*/true,
-      [&](const plan_store::Json& r) { return plan_from_record(r, p); },
-      [&] { return build_plan(p, route.dy, route.w, route.dx); }, &plan_record, &route.build_seconds,
+      [&](const plan_store::Json& r) { return gradient_plan_from_record(r, expected_tensors(p)); },
+      [&] { return build_plan(p, route.dy, route.w, route.dx); }, &gradient_plan_record, &route.build_seconds,
       &route.was_cached);
   return route;
 }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "conv_args.h"
+#include "cuda/grad_graph.h"
 #include "cuda/graph_common.h"
 #include "cuda/plan_lookup.h"
 
@@ -30,15 +31,8 @@ struct DgradProblem {
   std::string describe() const;
 };
 
-struct DgradPlan {
-  std::shared_ptr<fe::graph::Graph> graph; // null: ATen's input gradient runs
-  EngineChoice engine;
-  float graph_ms = -1; // the chosen graph plan ...
-  float aten_ms = -1; // ... and ATen's input gradient, measured; the graph is kept only when faster
-  std::vector<std::string> notes;
-  bool timed = false;
-  bool transient = false; // ATen because no candidate's workspace could be allocated now: neither cached nor stored
-};
+// The input gradient's plan: the conv_dgrad graph where it measured faster, else ATen's input gradient.
+using DgradPlan = GradGraphPlan;
 
 PlanCaches<DgradPlan>& dgrad_cache();
 

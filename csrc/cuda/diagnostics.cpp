@@ -153,6 +153,28 @@ Json graph_outputs_json(const cuda::FpropPlan& plan) {
   return plan.preactivation_output ? Json::array({"output", "preactivation"}) : Json::array({"output"});
 }
 
+// A gradient route's explanation (weight or input gradient): ATen and why, or the plan chosen (a cuDNN graph, or
+// ATen's kernel where it measured faster) with both measurements and the engine.
+template <typename Route>
+Json gradient_route_json(const Route& route) {
+  if (route.aten_reason) {
+    return {{"path", "aten"}, {"notes", Json::array({*route.aten_reason})}};
+  }
+  const cuda::GradGraphPlan& plan = *route.plan;
+  Json j{
+      {"path", route.runs_graph() ? "cudnn graph" : "aten"},
+      {"problem", route.problem.describe()},
+      {"cached", route.was_cached},
+      {"plan_build_seconds", route.build_seconds},
+      {"graph_ms", number(plan.graph_ms)},
+      {"aten_ms", number(plan.aten_ms)},
+      {"notes", plan.notes}};
+  if (plan.graph) {
+    j["engine"] = engine_json(plan.engine);
+  }
+  return j;
+}
+
 std::string explain_param_grad_cuda(
     const at::Tensor& grad_output,
     const at::Tensor& input,
@@ -163,42 +185,8 @@ std::string explain_param_grad_cuda(
     int64_t groups) {
   const ConvParams params = check_param_grad_args(grad_output, input, weight, stride, padding, dilation, groups);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  Json weight_grad;
-  const cuda::WeightGradRoute route = cuda::route_weight_grad(grad_output, input, weight, params);
-  if (route.aten_reason) {
-    weight_grad = {{"path", "aten"}, {"notes", Json::array({*route.aten_reason})}};
-  } else {
-    const cuda::WgradPlan& plan = *route.plan;
-    weight_grad = {
-        {"path", route.runs_graph() ? "cudnn graph" : "aten"},
-        {"problem", route.problem.describe()},
-        {"cached", route.was_cached},
-        {"plan_build_seconds", route.build_seconds},
-        {"graph_ms", number(plan.graph_ms)},
-        {"aten_ms", number(plan.aten_ms)},
-        {"notes", plan.notes}};
-    if (plan.graph) {
-      weight_grad["engine"] = engine_json(plan.engine);
-    }
-  }
-  Json input_grad;
-  const cuda::InputGradRoute input_route = cuda::route_input_grad(grad_output, input, weight, params);
-  if (input_route.aten_reason) {
-    input_grad = {{"path", "aten"}, {"notes", Json::array({*input_route.aten_reason})}};
-  } else {
-    const cuda::DgradPlan& plan = *input_route.plan;
-    input_grad = {
-        {"path", input_route.runs_graph() ? "cudnn graph" : "aten"},
-        {"problem", input_route.problem.describe()},
-        {"cached", input_route.was_cached},
-        {"plan_build_seconds", input_route.build_seconds},
-        {"graph_ms", number(plan.graph_ms)},
-        {"aten_ms", number(plan.aten_ms)},
-        {"notes", plan.notes}};
-    if (plan.graph) {
-      input_grad["engine"] = engine_json(plan.engine);
-    }
-  }
+  const Json weight_grad = gradient_route_json(cuda::route_weight_grad(grad_output, input, weight, params));
+  const Json input_grad = gradient_route_json(cuda::route_input_grad(grad_output, input, weight, params));
   return Json{
       {"math", math_json()},
       {"weight_grad", weight_grad},

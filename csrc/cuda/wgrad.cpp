@@ -73,51 +73,17 @@ std::shared_ptr<const WgradPlan> build_plan(
   return plan;
 }
 
-std::optional<plan_store::Json> plan_record(const WgradPlan& plan) {
-  plan_store::Json r{{"graph_ms", plan.graph_ms}, {"aten_ms", plan.aten_ms}, {"notes", plan.notes}};
-  return plan_store::put_graph(r, plan.graph, plan.engine) ? std::optional(r) : std::nullopt;
-}
-
-std::shared_ptr<const WgradPlan> plan_from_record(const plan_store::Json& r, const WgradProblem& p) {
-  auto plan = std::make_shared<WgradPlan>();
-  std::string why;
-  const plan_store::ExpectedTensors expected{
+plan_store::ExpectedTensors expected_tensors(const WgradProblem& p) {
+  return {
       {kX, {as_vector(p.x_dims), channels_last_strides(p.x_dims)}},
       {kDY, {as_vector(p.dy_dims), channels_last_strides(p.dy_dims)}},
       {kDW, {as_vector(p.w_dims), channels_last_strides(p.w_dims)}}};
-  if (!plan_store::take_graph(r, expected, plan->graph, plan->engine, &why)) {
-    return nullptr;
-  }
-  plan->timed = true;
-  plan->graph_ms = r.at("graph_ms").get<float>();
-  plan->aten_ms = r.at("aten_ms").get<float>();
-  plan->notes = r.at("notes").get<std::vector<std::string>>();
-  plan->notes.push_back("loaded from the persistent plan cache");
-  return plan;
 }
 
 } // namespace
 
 PlanKey WgradProblem::key() const {
-  PlanKey key;
-  auto& f = key.fields;
-  f.reserve(36);
-  f.push_back(2); // graph kind: weight gradient
-  f.push_back(static_cast<int64_t>(dtype));
-  f.push_back(device); // fields[2]: the device (plan_store::load leaves it out)
-  for (const auto* dims : {&x_dims, &dy_dims, &w_dims}) {
-    f.insert(f.end(), dims->begin(), dims->end());
-  }
-  for (int d = 0; d < 2; ++d) {
-    f.push_back(params.stride[d]);
-    f.push_back(params.padding[d]);
-    f.push_back(params.dilation[d]);
-  }
-  f.insert(f.end(), alignments.begin(), alignments.end());
-  f.push_back(flags.allow_tf32 && dtype == at::kFloat);
-  f.push_back(flags.deterministic);
-  f.push_back(flags.benchmark);
-  return key;
+  return gradient_plan_key(/*kind=*/2, dtype, device, {x_dims, dy_dims, w_dims}, params, alignments, flags);
 }
 
 std::string WgradProblem::describe() const {
@@ -167,8 +133,8 @@ WeightGradRoute route_weight_grad(
   const PlanKey key = p.key();
   route.plan = lookup_plan<WgradPlan>(
       wgrad_cache(), "weight_grad", key, requested_tuning(p.flags) != Tuning::Untimed,
-      [&](const plan_store::Json& r) { return plan_from_record(r, p); },
-      [&] { return build_plan(p, route.x, route.dy, route.dw); }, &plan_record, &route.build_seconds,
+      [&](const plan_store::Json& r) { return gradient_plan_from_record(r, expected_tensors(p)); },
+      [&] { return build_plan(p, route.x, route.dy, route.dw); }, &gradient_plan_record, &route.build_seconds,
       &route.was_cached);
   return route;
 }
@@ -179,7 +145,6 @@ at::Tensor run_weight_grad(const WeightGradRoute& route, const at::Tensor& weigh
   execute_plan(*route.plan->graph, route.plan->engine, pack, route.x.options(), [&] {
     return "conv_wgrad graph for " + route.problem.describe();
   });
-  constexpr auto cl = at::MemoryFormat::ChannelsLast;
   return with_layout(route.dw, memory_format_of(weight));
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "conv_args.h"
+#include "cuda/grad_graph.h"
 #include "cuda/graph_common.h"
 #include "cuda/plan_lookup.h"
 
@@ -27,15 +28,9 @@ struct WgradProblem {
   std::string describe() const;
 };
 
-struct WgradPlan {
-  std::shared_ptr<fe::graph::Graph> graph; // null: no graph builds, the caller runs ATen
-  EngineChoice engine;
-  float graph_ms = -1; // measured, when timing was allowed: the chosen graph plan ...
-  float aten_ms = -1; // ... and ATen's weight gradient; the faster one is kept
-  std::vector<std::string> notes;
-  bool timed = false; // graph candidates and graph vs ATen were timed
-  bool transient = false; // ATen because no candidate's workspace could be allocated now: neither cached nor stored
-};
+// The weight gradient's plan: the conv_wgrad graph, or ATen's weight gradient where no graph builds or it measured
+// faster.
+using WgradPlan = GradGraphPlan;
 
 PlanCaches<WgradPlan>& wgrad_cache();
 
