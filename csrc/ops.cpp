@@ -32,6 +32,13 @@ TORCH_LIBRARY(convbias, m) {
   m.def(
       "param_grad(Tensor grad_output, Tensor input, Tensor weight, SymInt[2] stride, SymInt[2] padding, "
       "SymInt[2] dilation, SymInt groups, bool[2] output_mask) -> (Tensor? grad_weight, Tensor? grad_bias)");
+  // Internal, for forward's autograd (csrc/autograd.cpp): the input gradient of F.conv2d, in input's dtype, with the
+  // memory format ATen's convolution backward gives it. `input` gives the shape and layout only (its data is never
+  // read). On CUDA under TORCH_CONVBIAS_INPUT_GRAD=timed a cuDNN conv_dgrad graph where it measured faster than ATen's
+  // (csrc/cuda/dgrad.h); ATen's convolution backward elsewhere.
+  m.def(
+      "_input_grad(Tensor grad_output, Tensor input, Tensor weight, SymInt[2] stride, SymInt[2] padding, "
+      "SymInt[2] dilation, SymInt groups) -> Tensor");
   // The backward of forward's activation at the convolution's output, with the bias gradient in the same pass:
   // grad_z = grad_output * act'(saved) (saved: forward's output or pre-activation, as the activation's backward needs,
   // csrc/activation.h) in grad_output's dtype, channels_last when grad_output or saved is; grad_bias = grad_z summed

@@ -121,7 +121,10 @@ def explain_param_grad(
     ``plan_build_seconds``, ``graph_ms`` / ``aten_ms`` (both measured once per key when timing is allowed, the
     faster kept; -1 when not measured), ``padded_channels`` (the input channel count the gradient ran with on a
     zero-padded copy of the input, ``TORCH_CONVBIAS_PAD_CHANNELS``; null when as it is) with ``padded_ms`` / ``as_is_ms``
-    (the two ways, when measured) and ``engine`` as in :func:`explain`. ``bias_grad``: ``way`` (``kernel``:
+    (the two ways, when measured) and ``engine`` as in :func:`explain`. ``input_grad``: the path, problem, timings,
+    notes and engine for the input gradient that autograd computes when the input requires grad (``cudnn graph``: a
+    conv_dgrad graph, only under ``TORCH_CONVBIAS_INPUT_GRAD=timed`` with choices timed and where it measured faster;
+    ``aten``). ``bias_grad``: ``way`` (``kernel``:
     ours; ``cudnn``: a reduction graph; ``aten``: ATen's sum), ``notes`` and, for the kernel, ``launch``
     (``blocks_per_sm``, ``loads_in_flight``, ``bands``: ``contiguous`` or ``interleaved``, ``timed``). ``math``: the flags that select engines. Builds and caches
     plans exactly as the call would; on CUDA that may run the gradients a few times to time candidates.
@@ -176,7 +179,7 @@ def explain_activation_backward(
 
 def cache_info() -> dict[str, float]:
     """Plan cache statistics: hits, misses, evictions, size (= forward_plans + weight_grad_plans +
-    bias_grad_plans), capacity (TORCH_CONVBIAS_CACHE_SIZE, per kind of plan), build_seconds (time spent
+    input_grad_plans + bias_grad_plans), capacity (TORCH_CONVBIAS_CACHE_SIZE, per kind of plan), build_seconds (time spent
     building and timing plans, or loading them from disk), workspace_fallbacks (calls that ran a lower-workspace
     plan because their plan's workspace could not be allocated), and the persistent plan cache's counters
     (TORCH_CONVBIAS_PLAN_CACHE_DIR): disk_enabled, disk_hits (plans loaded instead of built), disk_misses (no

@@ -120,6 +120,23 @@ def _param_grad_fake(
     return grad_weight, grad_bias
 
 
+@torch.library.register_fake("convbias::_input_grad")
+def _input_grad_fake(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    """grad_input: input's shape and dtype, in the memory format F.conv2d gives its output for input and weight."""
+    _validation.check_param_grad_args(grad_output, input, weight, stride, padding, dilation, groups)
+    return torch.empty(
+        input.shape, dtype=input.dtype, device=input.device, memory_format=_validation.output_memory_format(input, weight)
+    )
+
+
 @torch.library.register_fake("convbias::_activation_backward")
 def _activation_backward_fake(
     grad_output: torch.Tensor,
@@ -170,8 +187,11 @@ def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, 
     stride, padding, dilation, groups = ctx.conv_params
     needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
     grad_input = grad_weight = grad_bias = None
-    if needs_input:
-        # On the CPU 16-bit problems run in float32, rounded once, as the C++ autograd does.
+    if needs_input and not torch.is_grad_enabled():
+        grad_input = torch.ops.convbias._input_grad(grad_output, input, weight, stride, padding, dilation, groups)
+    elif needs_input:
+        # create_graph=True: ATen's differentiable convolution backward, as the C++ autograd does (on the CPU 16-bit
+        # problems in float32, rounded once).
         grad_input = torch.ops.aten.convolution_backward(
             _cpu_computable(grad_output),
             _cpu_computable(input),

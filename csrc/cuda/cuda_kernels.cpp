@@ -3,6 +3,8 @@
 // _forward_with_preactivation: the same, the graph writing the pre-activation too. param_grad:
 // the weight gradient on a conv_wgrad graph for channels_last tensors (TORCH_CONVBIAS_PARAM_GRAD=aten forces ATen),
 // the bias gradient by our kernel.
+// _input_grad: ATen's convolution backward, or under TORCH_CONVBIAS_INPUT_GRAD=timed a conv_dgrad graph where it
+// measured faster (cuda/dgrad.h).
 // _activation_backward: the activation's derivative and the bias gradient in one kernel where it applies
 // (cuda/activation_backward.h).
 #include <ATen/ATen.h>
@@ -16,6 +18,7 @@
 #include "cuda/activation_backward.h"
 #include "cuda/bias_activation.h"
 #include "cuda/bias_grad.h"
+#include "cuda/dgrad.h"
 #include "cuda/forward_setup.h"
 #include "cuda/wgrad.h"
 #include "reference.h"
@@ -133,6 +136,23 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_cuda
   return {grad_weight, grad_bias};
 }
 
+at::Tensor input_grad_cuda(
+    const at::Tensor& grad_output,
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups) {
+  const ConvParams params = check_param_grad_args(grad_output, input, weight, stride, padding, dilation, groups);
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  const cuda::InputGradRoute route = cuda::route_input_grad(grad_output, input, weight, params);
+  if (route.runs_graph()) {
+    return cuda::run_input_grad(route);
+  }
+  return input_grad_reference(grad_output, input, weight, stride, padding, dilation, groups);
+}
+
 std::tuple<at::Tensor, std::optional<at::Tensor>> activation_backward_cuda(
     const at::Tensor& grad_output,
     const at::Tensor& saved,
@@ -169,6 +189,7 @@ TORCH_LIBRARY_IMPL(convbias, CUDA, m) {
   m.impl("forward_residual", &forward_residual_cuda);
   m.impl("_forward_with_preactivation", &forward_with_preactivation_cuda);
   m.impl("param_grad", &param_grad_cuda);
+  m.impl("_input_grad", &input_grad_cuda);
   m.impl("_activation_backward", &activation_backward_cuda);
   m.impl("_bias_grad", &cuda::bias_grad_with);
   m.impl("_activation_pass", &activation_pass_cuda);

@@ -16,6 +16,7 @@
 #include "cuda/bias_reduction.h"
 #include "cuda/epilogue.h"
 #include "cuda/plan_store.h"
+#include "cuda/dgrad.h"
 #include "cuda/wgrad.h"
 #include "json.h"
 
@@ -162,6 +163,28 @@ Json graph_outputs_json(const cuda::FpropPlan& plan) {
   return plan.preactivation_output ? Json::array({"output", "preactivation"}) : Json::array({"output"});
 }
 
+// A gradient route's explanation (weight or input gradient): ATen and why, or the plan chosen (a cuDNN graph, or
+// ATen's kernel where it measured faster) with both measurements and the engine.
+template <typename Route>
+Json gradient_route_json(const Route& route) {
+  if (route.aten_reason) {
+    return {{"path", "aten"}, {"notes", Json::array({*route.aten_reason})}};
+  }
+  const cuda::GradGraphPlan& plan = *route.plan;
+  Json j{
+      {"path", route.runs_graph() ? "cudnn graph" : "aten"},
+      {"problem", route.problem.describe()},
+      {"cached", route.was_cached},
+      {"plan_build_seconds", route.build_seconds},
+      {"graph_ms", number(plan.graph_ms)},
+      {"aten_ms", number(plan.aten_ms)},
+      {"notes", plan.notes}};
+  if (plan.graph) {
+    j["engine"] = engine_json(plan.engine);
+  }
+  return j;
+}
+
 std::string explain_param_grad_cuda(
     const at::Tensor& grad_output,
     const at::Tensor& input,
@@ -172,28 +195,22 @@ std::string explain_param_grad_cuda(
     int64_t groups) {
   const ConvParams params = check_param_grad_args(grad_output, input, weight, stride, padding, dilation, groups);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  Json weight_grad;
-  const cuda::WeightGradRoute route = cuda::route_weight_grad(grad_output, input, weight, params);
-  if (route.aten_reason) {
-    weight_grad = {{"path", "aten"}, {"notes", Json::array({*route.aten_reason})}};
-  } else {
-    const cuda::WgradPlan& plan = *route.plan;
-    weight_grad = {
-        {"path", route.runs_graph() ? "cudnn graph" : "aten"},
-        {"problem", route.problem.describe()},
-        {"cached", route.was_cached},
-        {"plan_build_seconds", route.build_seconds},
-        {"graph_ms", number(plan.graph_ms)},
-        {"aten_ms", number(plan.aten_ms)},
-        {"padded_channels", plan.via_padded_channels ? Json(route.problem.padded_channels()) : Json()},
-        {"padded_ms", number(plan.padded_ms)},
-        {"as_is_ms", number(plan.as_is_ms)},
-        {"notes", plan.notes}};
-    if (plan.graph) {
-      weight_grad["engine"] = engine_json(plan.engine);
-    }
+  const cuda::WeightGradRoute weight_route = cuda::route_weight_grad(grad_output, input, weight, params);
+  Json weight_grad = gradient_route_json(weight_route);
+  if (!weight_route.aten_reason) {
+    // The weight gradient alone may run on zero-padded input channels (pad_channels.h).
+    const cuda::WgradPlan& plan = *weight_route.plan;
+    weight_grad["padded_channels"] = plan.via_padded_channels ? Json(weight_route.problem.padded_channels()) : Json();
+    weight_grad["padded_ms"] = number(plan.padded_ms);
+    weight_grad["as_is_ms"] = number(plan.as_is_ms);
   }
-  return Json{{"math", math_json()}, {"weight_grad", weight_grad}, {"bias_grad", bias_grad_json(grad_output)}}.dump();
+  const Json input_grad = gradient_route_json(cuda::route_input_grad(grad_output, input, weight, params));
+  return Json{
+      {"math", math_json()},
+      {"weight_grad", weight_grad},
+      {"bias_grad", bias_grad_json(grad_output)},
+      {"input_grad", input_grad}}
+      .dump();
 }
 
 // How _activation_backward computes grad_z and grad_bias: "fused kernel" (with its launch) or "aten" with the notes
@@ -377,10 +394,12 @@ std::string plan_cache_stats() {
   cuda::CacheStats s = cuda::fprop_cache().eager.stats();
   const cuda::CacheStats forward = s;
   const cuda::CacheStats w = cuda::wgrad_cache().eager.stats();
-  const int64_t capture_plans = cuda::fprop_cache().capture.stats().size + cuda::wgrad_cache().capture.stats().size;
+  const cuda::CacheStats d = cuda::dgrad_cache().eager.stats();
+  const int64_t capture_plans = cuda::fprop_cache().capture.stats().size + cuda::wgrad_cache().capture.stats().size +
+      cuda::dgrad_cache().capture.stats().size;
   const cuda::CacheStats r = cuda::bias_reduction_cache_stats();
   const cuda::plan_store::StoreStats disk = cuda::plan_store::stats();
-  for (const cuda::CacheStats* other : {&w, &r}) {
+  for (const cuda::CacheStats* other : {&w, &d, &r}) {
     s.hits += other->hits;
     s.misses += other->misses;
     s.evictions += other->evictions;
@@ -394,6 +413,7 @@ std::string plan_cache_stats() {
       {"size", s.size},
       {"forward_plans", forward.size},
       {"weight_grad_plans", w.size},
+      {"input_grad_plans", d.size},
       {"bias_grad_plans", r.size},
       {"capture_plans", capture_plans},
       {"capacity", s.capacity},
@@ -411,6 +431,7 @@ std::string plan_cache_stats() {
 void plan_cache_clear() {
   cuda::fprop_cache().clear();
   cuda::wgrad_cache().clear();
+  cuda::dgrad_cache().clear();
   cuda::bias_reduction_cache_clear();
 }
 

@@ -82,6 +82,7 @@ Json knob_values() {
       {"autotune", k.autotune},
       {"no_runtime_compilation", !k.allow_runtime_compiled},
       {"param_grad", k.param_grad},
+      {"input_grad", k.input_grad},
       {"bias_grad", k.bias_grad}};
 }
 

@@ -86,6 +86,13 @@ std::shared_ptr<WgradPlan> build_plan_as_is(
   return plan;
 }
 
+plan_store::ExpectedTensors expected_tensors(const WgradProblem& p) {
+  return {
+      {kX, {as_vector(p.x_dims), channels_last_strides(p.x_dims)}},
+      {kDY, {as_vector(p.dy_dims), channels_last_strides(p.dy_dims)}},
+      {kDW, {as_vector(p.w_dims), channels_last_strides(p.w_dims)}}};
+}
+
 // As the forward's (fprop.cpp): a problem with padded_channels() also runs on a zero-padded copy of x into a padded
 // dw, the first C channels kept; under timed choices both ways are measured (the copies included) and the faster kept;
 // untimed, as it is; TORCH_CONVBIAS_PAD_CHANNELS=on / off: always (where its graph builds) / never.
@@ -167,11 +174,7 @@ std::shared_ptr<const WgradPlan> plan_from_record(
   } else {
     plan = std::make_shared<WgradPlan>();
     std::string why;
-    const plan_store::ExpectedTensors expected{
-        {kX, {as_vector(p.x_dims), channels_last_strides(p.x_dims)}},
-        {kDY, {as_vector(p.dy_dims), channels_last_strides(p.dy_dims)}},
-        {kDW, {as_vector(p.w_dims), channels_last_strides(p.w_dims)}}};
-    if (!plan_store::take_graph(r, expected, plan->graph, plan->engine, &why)) {
+    if (!plan_store::take_graph(r, expected_tensors(p), plan->graph, plan->engine, &why)) {
       return nullptr;
     }
   }
@@ -197,25 +200,7 @@ std::shared_ptr<const WgradPlan> wgrad_plan(
 } // namespace
 
 PlanKey WgradProblem::key() const {
-  PlanKey key;
-  auto& f = key.fields;
-  f.reserve(36);
-  f.push_back(2); // graph kind: weight gradient
-  f.push_back(static_cast<int64_t>(dtype));
-  f.push_back(device); // fields[2]: the device (plan_store::load leaves it out)
-  for (const auto* dims : {&x_dims, &dy_dims, &w_dims}) {
-    f.insert(f.end(), dims->begin(), dims->end());
-  }
-  for (int d = 0; d < 2; ++d) {
-    f.push_back(params.stride[d]);
-    f.push_back(params.padding[d]);
-    f.push_back(params.dilation[d]);
-  }
-  f.insert(f.end(), alignments.begin(), alignments.end());
-  f.push_back(flags.allow_tf32 && dtype == at::kFloat);
-  f.push_back(flags.deterministic);
-  f.push_back(flags.benchmark);
-  return key;
+  return gradient_plan_key(/*kind=*/2, dtype, device, {x_dims, dy_dims, w_dims}, params, alignments, flags);
 }
 
 std::string WgradProblem::describe() const {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "conv_args.h"
+#include "cuda/grad_graph.h"
 #include "cuda/graph_common.h"
 #include "cuda/plan_lookup.h"
 
@@ -31,21 +32,9 @@ struct WgradProblem {
   WgradProblem with_padded_channels() const; // on those copies (fresh, 16-byte aligned)
 };
 
-struct WgradPlan {
-  std::shared_ptr<fe::graph::Graph> graph; // null: no graph builds, the caller runs ATen
-  EngineChoice engine;
-  float graph_ms = -1; // measured, when timing was allowed: the chosen graph plan ...
-  float aten_ms = -1; // ... and ATen's weight gradient; the faster one is kept
-  std::vector<std::string> notes;
-  bool timed = false; // graph candidates and graph vs ATen were timed
-  bool transient = false; // ATen because no candidate's workspace could be allocated now: neither cached nor stored
-  // Taken when the problem on zero-padded input channels measured faster (the copies included) or
-  // TORCH_CONVBIAS_PAD_CHANNELS=on: that problem's plan (graph and engine above copied from it), run on the padded
-  // x into a padded dw whose first C channels are the gradient; padded_ms / as_is_ms: the two ways, when measured.
-  std::shared_ptr<const WgradPlan> via_padded_channels;
-  float padded_ms = -1;
-  float as_is_ms = -1;
-};
+// The weight gradient's plan: the conv_wgrad graph, or ATen's weight gradient where no graph builds or it measured
+// faster.
+using WgradPlan = GradGraphPlan;
 
 PlanCaches<WgradPlan>& wgrad_cache();
 
