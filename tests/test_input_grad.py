@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cases import Case
+from cases import Case, input_grad_float64
 from conftest import DEVICES, MODES, assert_close, math_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -29,27 +29,6 @@ CASES = [
     Case(3, 8, 9, 5, 16, (1, 1), (2, 2), (0, 0), (1, 1), 1, True, True),
     Case(2, 16, 10, 10, 16, (5, 3), (3, 2), (2, 1), (1, 1), 1, True, False),
 ]
-
-
-def input_grad_float64(
-    dy: torch.Tensor, w: torch.Tensor, x_shape: torch.Size, case: Case
-) -> torch.Tensor:
-    """dL/dx of y = conv2d(x, w) for dL/dy = dy, in float64 on the CPU: each tap (r, s) of the kernel scatters
-    dy @ w[:, :, r, s] back onto the strided, dilated window of the padded input it read."""
-    n, c, h, width = x_shape
-    k, groups = w.shape[0], case.groups
-    cg, kg = c // groups, k // groups
-    (sh, sw), (ph, pw), (dh, dw) = case.stride, case.padding, case.dilation
-    dy, w = dy.detach().cpu().double(), w.detach().cpu().double()
-    ho, wo = dy.shape[2:]
-    padded = torch.zeros(n, c, h + 2 * ph, width + 2 * pw, dtype=torch.float64)
-    for g in range(groups):
-        for r in range(w.shape[2]):
-            for s in range(w.shape[3]):
-                tap = torch.einsum("nkhw,kc->nchw", dy[:, g * kg:(g + 1) * kg], w[g * kg:(g + 1) * kg, :, r, s])
-                padded[:, g * cg:(g + 1) * cg, r * dh:r * dh + sh * (ho - 1) + 1:sh,
-                       s * dw:s * dw + sw * (wo - 1) + 1:sw] += tap
-    return padded[:, :, ph:ph + h, pw:pw + width]
 
 
 def grad_output_for(case: Case, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -158,7 +137,7 @@ def test_create_graph_keeps_second_order_gradients_of_the_input() -> None:
 SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, "tests")
-from cases import Case
+from cases import Case, input_grad_float64
 from test_input_grad import CASES, grad_output_for, input_grad_float64
 import torch_convbias
 

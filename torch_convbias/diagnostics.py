@@ -177,9 +177,42 @@ def explain_activation_backward(
     )
 
 
+def explain_input_grad_activation(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    saved: torch.Tensor,
+    activation: str,
+    negative_slope: float = 0.01,
+    stride: int | tuple[int, int] = 1,
+    padding: int | tuple[int, int] = 0,
+    dilation: int | tuple[int, int] = 1,
+    groups: int = 1,
+) -> dict[str, Any]:
+    """How ``torch.ops.convbias._input_grad_activation`` computes a layer's input gradient times the derivative of
+    the activation below (``saved``: what that activation's backward keeps, of ``input``'s shape) and its bias
+    gradient; the convbias backend puts that op into backward graphs where our input gradient feeds our activation
+    backward.
+
+    Keys: ``path`` (``cudnn graph``: one conv_dgrad graph with the activation's derivative in it, then the bias
+    gradient; ``separate``: the input gradient as :func:`explain_param_grad`'s ``input_grad`` says, then the
+    activation's backward as :func:`explain_activation_backward` says); ``activation``, ``derivative_from``,
+    ``notes`` (why); when a plan was looked up ``problem``, ``cached``, ``plan_build_seconds``, ``graph_ms`` and
+    ``separate_ms`` (both ways timed once per shape, bias gradient included; -1 when not measured) and ``engine``
+    for the graph; on CUDA ``math``. The graph is tried only under ``TORCH_CONVBIAS_INPUT_GRAD=timed`` with choices
+    timed; building the plan may run both ways a few times, exactly as the call would.
+    """
+    conv_args = (_pair("stride", stride), _pair("padding", padding), _pair("dilation", dilation), groups)
+    return json.loads(
+        torch.ops.convbias._explain_input_grad_activation(
+            grad_output, input, weight, *conv_args, saved, activation, float(negative_slope)
+        )
+    )
+
+
 def cache_info() -> dict[str, float]:
     """Plan cache statistics: hits, misses, evictions, size (= forward_plans + weight_grad_plans +
-    input_grad_plans + bias_grad_plans), capacity (TORCH_CONVBIAS_CACHE_SIZE, per kind of plan), build_seconds (time spent
+    input_grad_plans + input_grad_activation_plans + bias_grad_plans), capacity (TORCH_CONVBIAS_CACHE_SIZE, per kind of plan), build_seconds (time spent
     building and timing plans, or loading them from disk), workspace_fallbacks (calls that ran a lower-workspace
     plan because their plan's workspace could not be allocated), and the persistent plan cache's counters
     (TORCH_CONVBIAS_PLAN_CACHE_DIR): disk_enabled, disk_hits (plans loaded instead of built), disk_misses (no

@@ -5,6 +5,8 @@
 // the bias gradient by our kernel.
 // _input_grad: ATen's convolution backward, or under TORCH_CONVBIAS_INPUT_GRAD=timed a conv_dgrad graph where it
 // measured faster (cuda/dgrad.h).
+// _input_grad_activation: the input gradient times the derivative of the activation below, and its bias gradient,
+// in two steps or (timed, where faster) one conv_dgrad graph with the derivative in it (cuda/dgrad_activation.h).
 // _activation_backward: the activation's derivative and the bias gradient in one kernel where it applies
 // (cuda/activation_backward.h).
 #include <ATen/ATen.h>
@@ -19,6 +21,7 @@
 #include "cuda/bias_activation.h"
 #include "cuda/bias_grad.h"
 #include "cuda/dgrad.h"
+#include "cuda/dgrad_activation.h"
 #include "cuda/forward_setup.h"
 #include "cuda/wgrad.h"
 #include "reference.h"
@@ -146,11 +149,25 @@ at::Tensor input_grad_cuda(
     int64_t groups) {
   const ConvParams params = check_param_grad_args(grad_output, input, weight, stride, padding, dilation, groups);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  const cuda::InputGradRoute route = cuda::route_input_grad(grad_output, input, weight, params);
-  if (route.runs_graph()) {
-    return cuda::run_input_grad(route);
-  }
-  return input_grad_reference(grad_output, input, weight, stride, padding, dilation, groups);
+  return cuda::input_grad(grad_output, input, weight, params);
+}
+
+std::tuple<at::Tensor, std::optional<at::Tensor>> input_grad_activation_cuda(
+    const at::Tensor& grad_output,
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    const at::Tensor& saved,
+    c10::string_view activation,
+    double negative_slope,
+    bool bias_grad) {
+  const auto [params, spec] = check_input_grad_activation_call(
+      grad_output, input, weight, stride, padding, dilation, groups, saved, activation, negative_slope);
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  return cuda::input_grad_activation(grad_output, input, weight, params, saved, spec, bias_grad);
 }
 
 std::tuple<at::Tensor, std::optional<at::Tensor>> activation_backward_cuda(
@@ -190,6 +207,7 @@ TORCH_LIBRARY_IMPL(convbias, CUDA, m) {
   m.impl("_forward_with_preactivation", &forward_with_preactivation_cuda);
   m.impl("param_grad", &param_grad_cuda);
   m.impl("_input_grad", &input_grad_cuda);
+  m.impl("_input_grad_activation", &input_grad_activation_cuda);
   m.impl("_activation_backward", &activation_backward_cuda);
   m.impl("_bias_grad", &cuda::bias_grad_with);
   m.impl("_activation_pass", &activation_pass_cuda);

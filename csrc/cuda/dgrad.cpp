@@ -5,6 +5,7 @@
 #include "cuda/forward_setup.h"
 #include "cuda/knobs.h"
 #include "cuda/plan_store.h"
+#include "reference.h"
 
 #include <sstream>
 
@@ -154,6 +155,16 @@ at::Tensor run_input_grad(const InputGradRoute& route) {
     return "conv_dgrad graph for " + route.problem.describe();
   });
   return route.dx;
+}
+
+at::Tensor input_grad(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const ConvParams& params) {
+  const InputGradRoute route = route_input_grad(grad_output, input, weight, params);
+  if (route.runs_graph()) {
+    return run_input_grad(route);
+  }
+  const ConvParams& c = params;
+  return input_grad_reference(grad_output, input, weight, c.stride, c.padding, c.dilation, c.groups);
 }
 
 } // namespace convbias::cuda

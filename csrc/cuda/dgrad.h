@@ -57,4 +57,9 @@ InputGradRoute route_input_grad(
 // Runs the route's conv_dgrad graph (route.runs_graph()): grad_input, channels_last.
 at::Tensor run_input_grad(const InputGradRoute& route);
 
+// convbias::_input_grad on CUDA (arguments checked): the route's graph where it runs one, else ATen's input gradient
+// (input_grad_reference).
+at::Tensor input_grad(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const ConvParams& params);
+
 } // namespace convbias::cuda

@@ -17,6 +17,7 @@
 #include "cuda/epilogue.h"
 #include "cuda/plan_store.h"
 #include "cuda/dgrad.h"
+#include "cuda/dgrad_activation.h"
 #include "cuda/wgrad.h"
 #include "json.h"
 
@@ -244,6 +245,46 @@ std::string explain_activation_backward_cuda(
   return out.dump();
 }
 
+// How _input_grad_activation computes its results: "cudnn graph" (conv_dgrad with the derivative in it) or
+// "separate" (the input gradient's route, then _activation_backward's way), why, and what was measured.
+std::string explain_input_grad_activation_cuda(
+    const at::Tensor& grad_output,
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    const at::Tensor& saved,
+    c10::string_view activation,
+    double negative_slope) {
+  const auto [params, spec] = check_input_grad_activation_call(
+      grad_output, input, weight, stride, padding, dilation, groups, saved, activation, negative_slope);
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  const cuda::InputGradActivationRoute route =
+      cuda::route_input_grad_activation(grad_output, input, weight, params, saved, spec);
+  Json out{
+      {"math", math_json()},
+      {"activation", activation_name(spec.kind)},
+      {"derivative_from", derivative_source_name(spec)},
+      {"path", route.runs_graph() ? "cudnn graph" : "separate"}};
+  if (route.separate_reason) {
+    out["notes"] = Json::array({*route.separate_reason});
+    return out.dump();
+  }
+  const cuda::DgradActivationPlan& plan = *route.plan;
+  out["problem"] = route.problem.describe();
+  out["cached"] = route.was_cached;
+  out["plan_build_seconds"] = route.build_seconds;
+  out["graph_ms"] = number(plan.graph_ms);
+  out["separate_ms"] = number(plan.aten_ms);
+  out["notes"] = plan.notes;
+  if (plan.graph) {
+    out["engine"] = engine_json(plan.engine);
+  }
+  return out.dump();
+}
+
 std::string explain_cuda(
     const at::Tensor& input,
     const at::Tensor& weight,
@@ -395,11 +436,12 @@ std::string plan_cache_stats() {
   const cuda::CacheStats forward = s;
   const cuda::CacheStats w = cuda::wgrad_cache().eager.stats();
   const cuda::CacheStats d = cuda::dgrad_cache().eager.stats();
+  const cuda::CacheStats da = cuda::dgrad_activation_cache().eager.stats();
   const int64_t capture_plans = cuda::fprop_cache().capture.stats().size + cuda::wgrad_cache().capture.stats().size +
-      cuda::dgrad_cache().capture.stats().size;
+      cuda::dgrad_cache().capture.stats().size + cuda::dgrad_activation_cache().capture.stats().size;
   const cuda::CacheStats r = cuda::bias_reduction_cache_stats();
   const cuda::plan_store::StoreStats disk = cuda::plan_store::stats();
-  for (const cuda::CacheStats* other : {&w, &d, &r}) {
+  for (const cuda::CacheStats* other : {&w, &d, &da, &r}) {
     s.hits += other->hits;
     s.misses += other->misses;
     s.evictions += other->evictions;
@@ -414,6 +456,7 @@ std::string plan_cache_stats() {
       {"forward_plans", forward.size},
       {"weight_grad_plans", w.size},
       {"input_grad_plans", d.size},
+      {"input_grad_activation_plans", da.size},
       {"bias_grad_plans", r.size},
       {"capture_plans", capture_plans},
       {"capacity", s.capacity},
@@ -432,6 +475,7 @@ void plan_cache_clear() {
   cuda::fprop_cache().clear();
   cuda::wgrad_cache().clear();
   cuda::dgrad_cache().clear();
+  cuda::dgrad_activation_cache().clear();
   cuda::bias_reduction_cache_clear();
 }
 
@@ -440,6 +484,7 @@ TORCH_LIBRARY_IMPL(convbias, CUDA, m) {
   m.impl("_explain_residual", &explain_residual_cuda);
   m.impl("_explain_param_grad", &explain_param_grad_cuda);
   m.impl("_explain_activation_backward", &explain_activation_backward_cuda);
+  m.impl("_explain_input_grad_activation", &explain_input_grad_activation_cuda);
 }
 
 } // namespace convbias
