@@ -181,6 +181,7 @@ run_benches() {
 #   bench:NAME:SECONDS                     one benchmark of the bench phase (forward, layerwise_relu, ...)
 #   module:MODULE:ARGS:SECONDS             python -m MODULE ARGS --out <job dir> ('+' for a space), e.g.
 #                                          module:bench.bench_forward:--activation+relu+--shapes+2+5:120
+#   env:NAME=VALUE:0                       export NAME=VALUE for the jobs after it (e.g. env:TORCH_CONVBIAS_INPUT_GRAD=timed:0)
 run_jobs() {
   local out=$1 spec kind rest seconds dir index=0 rc left status=0
   local budget=${BUDGET:-540}
@@ -216,6 +217,15 @@ run_jobs() {
         IFS=: read -r module arguments _ <<< "$rest"
         # shellcheck disable=SC2086 # the arguments split at the spaces '+' stood for
         timeout "$seconds" "$PYTHON" -m "$module" ${arguments//+/ } --out "$dir" > "$dir/log.txt" 2>&1 || rc=$? ;;
+      env)
+        # env:NAME=VALUE:0 sets a variable for the jobs after it (e.g. a TORCH_CONVBIAS_* knob, read once per process).
+        IFS=: read -r assignment _ <<< "$rest"
+        if [[ "$assignment" =~ ^[A-Z_][A-Z0-9_]*=.*$ ]]; then
+          export "${assignment?}"
+          echo "export $assignment" > "$dir/log.txt"
+        else
+          echo "env job expects NAME=VALUE, got '$assignment'" > "$dir/log.txt"; rc=2
+        fi ;;
       *) echo "unknown job kind '$kind' in '$spec'" > "$dir/log.txt"; rc=2 ;;
     esac
     [ $rc -eq 0 ] || status=1
