@@ -116,10 +116,11 @@ BAD = [
 def test_bad_saved_fails_alike_in_eager_and_fake_mode(mangle, error, message) -> None:  # type: ignore[no-untyped-def]
     case = CASES[0]
     dy, x, w, saved, _ = problem(case, "relu", "cpu", torch.float32)
+    bad = mangle(saved)
     with pytest.raises(error, match=message):
-        call(case, "relu", dy, x, w, mangle(saved))
+        call(case, "relu", dy, x, w, bad)
     with FakeTensorMode() as mode:
-        fakes = [mode.from_tensor(t) for t in (dy, x, w, mangle(saved))]
+        fakes = [mode.from_tensor(t) for t in (dy, x, w, bad)]
         with pytest.raises(error, match=message):
             call(case, "relu", *fakes)
 

@@ -220,7 +220,9 @@ def _merge(graph: fx.Graph, node: fx.Node, grad: fx.Node) -> None:
             torch.ops.convbias._input_grad_activation.default,
             tuple(conv[name] for name in names) + (saved, activation, slope, bias_grad),
         )
-    merged.meta.update(node.meta)
+    # The activation backward's results are the merged op's; not its eager_input_vals (the fake arguments of another
+    # schema, which Inductor would match against this op's).
+    merged.meta.update({k: v for k, v in node.meta.items() if k != "eager_input_vals"})
     node.replace_all_uses_with(merged)
     graph.erase_node(node)
     graph.erase_node(grad)
