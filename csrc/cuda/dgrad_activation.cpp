@@ -118,6 +118,9 @@ std::optional<std::string> separate_reason(
   if (knobs().input_grad != "timed") {
     return "TORCH_CONVBIAS_INPUT_GRAD=" + knobs().input_grad + ": the input gradient and the activation's backward separately";
   }
+  if (activation.is_identity()) {
+    return std::string("identity: no derivative to put in the graph; the input gradient and its copy and sum separately");
+  }
   if (!derivative_attributes(activation)) {
     return std::string("no cuDNN derivative node reads what ") + activation_name(activation.kind) +
         "'s backward keeps: the input gradient and the activation's backward separately";
