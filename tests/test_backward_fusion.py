@@ -148,6 +148,13 @@ def test_a_convolution_directly_above_an_activation_merges_for_every_activation(
     (report,) = compiler.backward_reports
     assert len(report.merged) == 1 and len(report.kept) == 1 and report.handed == [], report
     assert op_calls(code) == 1 and op_calls(code, MERGED_CALL) == 1
+    # The merged op's problem, for explain_input_grad_activation (bench_models' merged_paths): the upper convolution.
+    slope = report.merged[0]["problem"].pop("negative_slope")
+    assert report.merged[0]["problem"] == {
+        "grad_output": [2, 4, 4, 3], "input": [2, 8, 7, 6], "weight": [4, 8, 3, 3], "stride": [2, 2],
+        "padding": [1, 1], "dilation": [1, 1], "groups": 1,
+    }, report  # fmt: skip
+    assert slope == (model[1].negative_slope if isinstance(model[1], nn.LeakyReLU) else 0.01)
 
 
 @pytest.mark.parametrize("name", list(ACTIVATIONS))
@@ -214,6 +221,7 @@ def test_dynamic_batch_sizes_share_one_handed_over_graph() -> None:
     assert len(compiler.reports) == 1
     (report,) = compiler.backward_reports  # one backward graph for every batch size
     assert len(report.handed) == 2
+    assert len(report.merged) == 1 and report.merged[0]["problem"] is None  # a symbolic batch: no static problem
 
 
 class CountingPass(CustomGraphPass):

@@ -71,11 +71,12 @@ class BackwardReport:
     """What the pass did in one backward graph: ``handed`` the activation backwards replaced by ATen's derivative and a
     sum (Inductor fuses them with the gradient's producer), ``merged`` those merged with the input gradient producing
     their gradient into ``convbias._input_grad_activation``, ``kept`` those left to our kernel as they are; each entry
-    names the node, the activation and the reason (the gradient's producer)."""
+    names the node, the activation and the reason (the gradient's producer); a merged one also its ``problem`` (the
+    static shapes and parameters of the merged op, for explain_input_grad_activation; None under dynamic shapes)."""
 
-    handed: list[dict[str, str]] = dataclasses.field(default_factory=list)
-    merged: list[dict[str, str]] = dataclasses.field(default_factory=list)
-    kept: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    handed: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    merged: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    kept: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 # The last backward graphs' reports, newest last.
@@ -208,6 +209,32 @@ def _merge_refusal(node: fx.Node, grad: fx.Node) -> str:
     return ""
 
 
+def _merged_problem(grad: fx.Node, slope: float) -> dict[str, Any] | None:
+    """The merged op's static shapes and conv parameters, from the input gradient's arguments (None where a shape or
+    parameter is symbolic)."""
+    names = ("grad_output", "input", "weight", "stride", "padding", "dilation", "groups")
+    values = dict(zip(names, grad.args))
+    values.update(grad.kwargs)
+    def static(value: Any) -> int:
+        # A torch.SymInt (dynamic shapes) is not turned into an int here: that would add a guard after guarding ended.
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"not a static int: {value!r}")
+        return value
+
+    try:
+        problem: dict[str, Any] = {
+            name: [static(size) for size in values[name].meta["val"].shape]  # type: ignore[union-attr]
+            for name in ("grad_output", "input", "weight")
+        }
+        for name in ("stride", "padding", "dilation"):
+            problem[name] = [static(v) for v in values[name]]  # type: ignore[union-attr]
+        problem["groups"] = static(values["groups"])
+    except (KeyError, TypeError, AttributeError):
+        return None
+    problem["negative_slope"] = slope
+    return problem
+
+
 def _merge(graph: fx.Graph, node: fx.Node, grad: fx.Node) -> None:
     """Replace ``node`` and the ``convbias._input_grad`` producing its gradient by one ``_input_grad_activation``
     (same results, same ``getitem`` users)."""
@@ -251,6 +278,7 @@ class ActivationBackwardPass(CustomGraphPass):
                     LOG.info("handed %s (%s backward) to Inductor: %s", node.name, activation, why)
                 elif merge_refusal == "":
                     entry["reason"] = f"merged with the input gradient {grad.name} into convbias._input_grad_activation"
+                    entry["problem"] = _merged_problem(grad, slope)
                     _merge(graph, node, grad)
                     report.merged.append(entry)
                     LOG.info("merged %s (%s backward) with %s", node.name, activation, grad.name)
