@@ -216,6 +216,20 @@ def test_native_backtrace_names_the_frame_that_crashed() -> None:
     assert "SIGSEGV" in trace and "string_at" in trace, trace
 
 
+def test_native_backtrace_says_why_it_has_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a debugger, or with one that does not finish, the failure message says so instead of a backtrace."""
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert native_backtrace(["true"]) == "(no gdb or cuda-gdb on PATH: no native backtrace)"
+    monkeypatch.setattr(shutil, "which", lambda name: "/opt/cuda-gdb" if name == "cuda-gdb" else None)
+
+    def hangs(command: list[str], **kwargs: object) -> None:
+        assert command[0] == "/opt/cuda-gdb" and command[-1] == "true" and kwargs["timeout"] == 240
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"])  # type: ignore[arg-type]
+
+    monkeypatch.setattr(subprocess, "run", hangs)
+    assert native_backtrace(["true"]) == "(/opt/cuda-gdb did not finish in 240 s)"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_aot_inductor_package_runs_in_a_fresh_process(device: str, tmp_path: Path) -> None:
     """Deployment without Python model code: torch.export, then AOTInductor compiles and packages the program with
