@@ -420,6 +420,14 @@ def test_input_on_another_gpu() -> None:
         got = torch.ops.convbias._bias_grad(dy, way)
         assert got.device == dy.device
         torch.testing.assert_close(got, dy.sum((0, 2, 3)), rtol=1e-5, atol=1e-5)
+    # The backend's merged input gradient + activation backward too (cuda:0 current), against the CPU's two steps.
+    saved = torch.relu(torch.randn_like(x)).contiguous(memory_format=torch.channels_last)
+    args = (dy, x, w.contiguous(memory_format=torch.channels_last), [1, 1], [1, 1], [1, 1], 1, saved, "relu", 0.01, True)
+    grad_z, grad_bias = torch.ops.convbias._input_grad_activation(*args)
+    want_z, want_bias = torch.ops.convbias._input_grad_activation(*(a.cpu() if torch.is_tensor(a) else a for a in args))
+    assert grad_z.device == grad_bias.device == dy.device
+    torch.testing.assert_close(grad_z.cpu(), want_z, rtol=5e-3, atol=5e-3)
+    torch.testing.assert_close(grad_bias.cpu(), want_bias, rtol=5e-3, atol=5e-2)
 
 
 
