@@ -12,6 +12,8 @@
 #   ./dev.sh carry [DIR]
 #                    what a call to the GPU machine carries (default .carry): cuDNN frontend headers and a prebuild for
 #                    its Python 3.12 / torch 2.11.0+cu130 (see carry below for the call)
+#   ./dev.sh jobs DIR
+#                    the JOBS list of `gpu DIR jobs` (below) without setup, on a tree already built
 #   ./dev.sh stamp   print this tree's build stamp; ./dev.sh use-prebuilt: only the TORCH_CONVBIAS_PREBUILT step of
 #                    setup
 #   ./dev.sh gpu DIR [all|tests|bench|sanitize|jobs]
@@ -241,6 +243,8 @@ case "${1:-}" in
   carry) shift; carry "$@" ;;
   # run_benches alone, for the jobs' bench kind (the build is done by then).
   benches) run_benches "${2:?usage: ./dev.sh benches OUTDIR}" ;;
+  # run_jobs alone, on a tree already built (tests/test_dev_jobs.py runs the runner this way on the CPU).
+  jobs) run_jobs "${2:?usage: JOBS=... ./dev.sh jobs OUTDIR}" ;;
   # What prebuild stamps and setup compares (tests/test_dev_prebuilt.py drives both in a scratch tree).
   stamp) build_stamp ;;
   use-prebuilt) use_prebuilt ;;

@@ -1,5 +1,5 @@
-"""dev.sh's job runner (``./dev.sh gpu DIR jobs``, the function run_jobs), run here on the CPU without the build in
-front of it: jobs run in order under their own time bounds, an `env:` job exports a knob for the jobs after it, a bad
+"""dev.sh's job runner (``./dev.sh gpu DIR jobs``; ``./dev.sh jobs DIR`` runs it without the build in front of it),
+here on the CPU: jobs run in order under their own time bounds, an `env:` job exports a knob for the jobs after it, a bad
 spec fails its job (and the run's status) without stopping the others, a job that no longer fits the budget is
 skipped, and everything comes back in DIR/jobs.tgz with a summary."""
 
@@ -15,12 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_jobs(jobs: str, out: Path, budget: int = 60) -> tuple[int, str, dict[str, str]]:
-    """(status, summary, {job dir: log}) of run_jobs over ``jobs`` (dev.sh's function alone: no setup, no build)."""
-    script = f'set -uo pipefail; PYTHON=python3; eval "$(sed -n \'/^run_jobs() {{/,/^}}/p\' dev.sh)"; run_jobs "{out}"'
+    """(status, summary, {job dir: log}) of ``./dev.sh jobs`` over ``jobs`` (the runner alone: no setup, no build)."""
     # A clean environment (no TORCH_CONVBIAS_* knob leaking in), with this Python first on PATH as `python3`.
     path = f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin"
     env = {"PATH": path, "JOBS": jobs, "BUDGET": str(budget), "HOME": str(out)}
-    result = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(["./dev.sh", "jobs", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     logs = {}
     with tarfile.open(out / "jobs.tgz") as archive:
         for member in archive.getmembers():
