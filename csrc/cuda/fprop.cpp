@@ -607,23 +607,32 @@ std::shared_ptr<const FpropPlan> consider_padded_channels(
   }
   const FpropProblem q = p.with_padded_channels();
   const std::string note = padded_way_note(p.x_dims[1], channels);
-  const std::shared_ptr<const FpropPlan> padded = fprop_plan(q, pad_channels(x, channels), pad_channels(w, channels), b);
-  if (padded->path == FpropPath::Aten) {
-    own->notes.push_back(note + ": no cuDNN graph builds for that problem either");
-    return own;
-  }
-  // Both complete ways on these tensors, as calls run them: the padded one with its two copies.
-  return keep_padded_or_own<FpropPlan>(
-      own, padded, note,
-      [&] {
-        return time_on_stream([&] {
-          (void)(own->path == FpropPath::Aten ? run_aten(p, x, w, b) : run_plan(*own, p, x, w, b).first);
+  return padded_or_own<FpropPlan>(own, note, [&]() -> std::shared_ptr<const FpropPlan> {
+    const std::shared_ptr<const FpropPlan> padded =
+        fprop_plan(q, pad_channels(x, channels), pad_channels(w, channels), b);
+    if (padded->path == FpropPath::Aten) {
+      // ATen's convolution needs no copies of ours: on the padded problem it is no way of its own.
+      own->notes.push_back(
+          note + " not taken: that problem's plan is ATen's convolution (" +
+          (padded->aten_ms >= 0 ? "measured faster than its cuDNN graph" : "no cuDNN graph runs it") + ")");
+      return own;
+    }
+    // Both complete ways on these tensors, as calls run them: the padded one with its two copies.
+    return keep_padded_or_own<FpropPlan>(
+        own, padded, note,
+        [&] {
+          return time_on_stream([&] {
+            (void)(own->path == FpropPath::Aten ? run_aten(p, x, w, b) : run_plan(*own, p, x, w, b).first);
+          });
+        },
+        [&] {
+          return time_on_stream(
+              [&] { (void)run_plan(*padded, q, pad_channels(x, channels), pad_channels(w, channels), b); });
+        },
+        [](FpropPlan& plan, float own_ms, float padded_ms) {
+          plan.layout_timings = {{"as_is", own_ms}, {"padded_channels", padded_ms}};
         });
-      },
-      [&] { return time_on_stream([&] { (void)run_plan(*padded, q, pad_channels(x, channels), pad_channels(w, channels), b); }); },
-      [](FpropPlan& plan, float own_ms, float padded_ms) {
-        plan.layout_timings = {{"as_is", own_ms}, {"padded_channels", padded_ms}};
-      });
+  });
 }
 
 std::shared_ptr<const FpropPlan> build_plan(
@@ -912,7 +921,9 @@ FpropProblem FpropProblem::as_channels_last() const {
 }
 
 int64_t FpropProblem::padded_channels() const {
-  return channels_last && !has_residual ? padded_channel_count(dtype, x_dims[1], params.groups) : 0;
+  return channels_last && !has_residual
+      ? padded_channel_count(dtype, x_dims[1], params.groups, x_dims[0] * x_dims[2] * x_dims[3])
+      : 0;
 }
 
 FpropProblem FpropProblem::with_padded_channels() const {

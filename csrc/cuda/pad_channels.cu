@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 namespace convbias::cuda {
 namespace {
@@ -50,13 +51,14 @@ void launch(const at::Tensor& in, at::Tensor& out, int64_t in_row, int64_t out_r
 
 } // namespace
 
-int64_t padded_channel_count(at::ScalarType dtype, int64_t channels, int64_t groups) {
+int64_t padded_channel_count(at::ScalarType dtype, int64_t channels, int64_t groups, int64_t pixels) {
   if (groups != 1 || (dtype != at::kHalf && dtype != at::kBFloat16 && dtype != at::kFloat)) {
     return 0;
   }
   const int64_t per_chunk = kChunkBytes / static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t padded = (channels + per_chunk - 1) / per_chunk * per_chunk;
-  return padded > channels ? padded : 0;
+  const bool fits_int32 = pixels <= std::numeric_limits<int32_t>::max() / padded;
+  return padded > channels && fits_int32 ? padded : 0;
 }
 
 at::Tensor pad_channels(const at::Tensor& t, int64_t channels) {

@@ -13,8 +13,9 @@ namespace convbias::cuda {
 // The input channel count a channels_last convolution of `dtype` with `channels` input channels in `groups` groups runs
 // with when padded: the next multiple of 16 bytes' worth of elements; 0 where padding does not apply: rows already
 // 16-byte multiples, grouped convolutions, dtypes other than float16, bfloat16 and float32 (those cuDNN's aligned
-// engines take).
-int64_t padded_channel_count(at::ScalarType dtype, int64_t channels, int64_t groups);
+// engines take), and inputs of `pixels` rows (N * H * W) whose padded copy would pass INT32_MAX elements (the limit
+// above which forward_setup.cpp's aten_only_reason sends a problem to ATen: cuDNN's engines index with 32 bits).
+int64_t padded_channel_count(at::ScalarType dtype, int64_t channels, int64_t groups, int64_t pixels);
 
 // `t` ([A, C, B, D], fully packed channels_last: rows of C elements in memory) copied into a new channels_last tensor
 // [A, channels, B, D] whose channels C..channels-1 are zeros, in one pass over the output on the current stream.

@@ -10,6 +10,8 @@
 #include <sstream>
 #include <string>
 
+#include <c10/util/Exception.h>
+
 #include "cuda/knobs.h"
 #include "cuda/math_flags.h"
 
@@ -57,6 +59,26 @@ std::shared_ptr<const Plan> keep_padded_or_own(
   }
   own->notes.push_back(note + " measured slower: " + measured.str());
   record(*own, own_ms, padded_ms);
+  return own;
+}
+
+// `choose()` (the padded problem's plan, then keep_padded_or_own), guarded: the padded way is optional, so whatever
+// stops it leaves the problem as it is, with the reason in its notes, rather than failing a call the plan as it is
+// runs. Out of memory for the copies (or the padded problem's workspace) the choice is not final: `own` is marked
+// transient (neither cached nor stored), to be made again when memory allows. Anything else (e.g. a forced
+// TORCH_CONVBIAS_* path the padded problem cannot take) is final for the key.
+template <typename Plan>
+std::shared_ptr<const Plan> padded_or_own(
+    std::shared_ptr<Plan> own, const std::string& note, const std::function<std::shared_ptr<const Plan>()>& choose) {
+  try {
+    return choose();
+  } catch (const c10::OutOfMemoryError&) {
+    own->transient = true;
+    own->notes.push_back(note + " not tried: out of memory for the padded copies");
+  } catch (const c10::Error& error) {
+    const std::string what = error.what_without_backtrace();
+    own->notes.push_back(note + " failed, the problem runs as it is: " + what.substr(0, what.find('\n')));
+  }
   return own;
 }
 
