@@ -524,7 +524,7 @@ def test_cache_size_knob_evicts() -> None:
         ("TORCH_CONVBIAS_CACHE_SIZE", "many", "TORCH_CONVBIAS_CACHE_SIZE must be a positive integer, got 'many'"),
         ("TORCH_CONVBIAS_AUTOTUNE", "max", "TORCH_CONVBIAS_AUTOTUNE must be auto, off, quick or on"),
         ("TORCH_CONVBIAS_PARAM_GRAD", "cuda", "TORCH_CONVBIAS_PARAM_GRAD must be aten or cudnn"),
-        ("TORCH_CONVBIAS_INPUT_GRAD", "cudnn", "TORCH_CONVBIAS_INPUT_GRAD must be aten or timed, got 'cudnn'"),
+        ("TORCH_CONVBIAS_INPUT_GRAD", "cudnn", "TORCH_CONVBIAS_INPUT_GRAD must be aten, timed or graph, got 'cudnn'"),
         ("TORCH_CONVBIAS_NCHW", "native", "TORCH_CONVBIAS_NCHW must be auto, graph, copy or aten, got 'native'"),
         ("TORCH_CONVBIAS_PAD_CHANNELS", "always", "TORCH_CONVBIAS_PAD_CHANNELS must be auto, on or off, got 'always'"),
         ("TORCH_CONVBIAS_BIAS_GRAD", "sum", "TORCH_CONVBIAS_BIAS_GRAD must be kernel, cudnn or aten, got 'sum'"),

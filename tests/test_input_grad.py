@@ -196,6 +196,27 @@ def test_cuda_timed_dgrad_graph_or_aten_whichever_measured_faster() -> None:
 
 
 @needs_cuda
+@pytest.mark.parametrize("timing", ["untimed", "timed"])
+def test_cuda_forced_dgrad_graph_matches_float64(timing: str) -> None:
+    """TORCH_CONVBIAS_INPUT_GRAD=graph (the conv_dgrad graph wherever it builds, unmeasured): the graph's own numerics,
+    which the timed test checks only where it measured faster; every channels_last problem runs it (or explain says
+    cuDNN rejected it), NCHW ones ATen's; all against float64 in the input's layout."""
+    report = run_script("graph", timing)
+    ran = 0
+    for row in report["rows"]:
+        assert row["error"] <= TOLERANCE[row["dtype"]] and row["layout_kept"], row
+        info = row["info"]
+        if not row["channels_last"]:
+            assert info["path"] == "aten" and "NCHW" in info["notes"][0], row
+        elif info["path"] == "cudnn graph":
+            assert any("TORCH_CONVBIAS_INPUT_GRAD=graph" in note for note in info["notes"]), row
+            ran += 1
+        else:
+            assert "rejected" in " ".join(info["notes"]), row
+    assert ran > 0, report["rows"]
+
+
+@needs_cuda
 @pytest.mark.parametrize("knob,timing,note", [
     (None, "timed", "TORCH_CONVBIAS_INPUT_GRAD=aten"),
     ("timed", "untimed", "choices untimed"),

@@ -209,10 +209,10 @@ def test_cuda_timed_graph_or_two_steps_whichever_measured_faster() -> None:
     for row in report["rows"]:
         assert not row["error"], row
         info = row["info"]
-        if not row["channels_last"]:
-            assert info["path"] == "separate" and "NCHW" in info["notes"][0], row
-        elif row["name"] == "tanh":
+        if row["name"] == "tanh":  # checked before the layout: no graph could take it in any layout
             assert info["path"] == "separate" and "no cuDNN derivative node" in info["notes"][0], row
+        elif not row["channels_last"]:
+            assert info["path"] == "separate" and "NCHW" in info["notes"][0], row
         elif info["graph_ms"] > 0:  # the graph built and both ways were measured: the faster one runs
             built += 1
             assert info["separate_ms"] > 0, row
@@ -223,6 +223,30 @@ def test_cuda_timed_graph_or_two_steps_whichever_measured_faster() -> None:
             assert info["path"] == "separate" and info["notes"], row
     assert built > 0, "no conv_dgrad + derivative graph built for any problem"
     assert report["cache"]["input_grad_activation_plans"] >= 1, report["cache"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("timing", ["untimed", "timed"])
+def test_cuda_forced_graph_matches_float64_for_every_derivative(timing: str) -> None:
+    """TORCH_CONVBIAS_INPUT_GRAD=graph (the graph wherever it builds, unmeasured, whatever the timing): the graph's own
+    numerics, which the timed test checks only where the graph measured faster. Every channels_last problem whose
+    derivative cuDNN has a node for runs the conv_dgrad + derivative graph unless cuDNN rejects it (explain says so):
+    relu and leaky_relu from the output, leaky_relu with a negative slope, gelu, gelu_tanh and silu from the
+    pre-activation; each result equals float64. ReLU's graph (built on the H200 by bench/probe_dgrad_epilogue) runs."""
+    report = run_script("graph", timing)
+    ran = set()
+    for row in report["rows"]:
+        assert not row["error"], row
+        info = row["info"]
+        if row["name"] == "tanh" or not row["channels_last"]:
+            assert info["path"] == "separate", row
+        elif info["path"] == "cudnn graph":
+            assert any("TORCH_CONVBIAS_INPUT_GRAD=graph" in note for note in info["notes"]), row
+            assert info["graph_ms"] == -1 and info["engine"]["name"], row
+            ran.add(row["name"])
+        else:
+            assert "rejected" in " ".join(info["notes"]), row
+    assert "relu" in ran, ran
 
 
 @needs_cuda

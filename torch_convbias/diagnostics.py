@@ -123,8 +123,8 @@ def explain_param_grad(
     zero-padded copy of the input, ``TORCH_CONVBIAS_PAD_CHANNELS``; null when as it is) with ``padded_ms`` / ``as_is_ms``
     (the two ways, when measured) and ``engine`` as in :func:`explain`. ``input_grad``: the path, problem, timings,
     notes and engine for the input gradient that autograd computes when the input requires grad (``cudnn graph``: a
-    conv_dgrad graph, only under ``TORCH_CONVBIAS_INPUT_GRAD=timed`` with choices timed and where it measured faster;
-    ``aten``). ``bias_grad``: ``way`` (``kernel``:
+    conv_dgrad graph, only under ``TORCH_CONVBIAS_INPUT_GRAD=timed`` with choices timed and where it measured faster,
+    or wherever it builds under ``TORCH_CONVBIAS_INPUT_GRAD=graph``; ``aten``). ``bias_grad``: ``way`` (``kernel``:
     ours; ``cudnn``: a reduction graph; ``aten``: ATen's sum), ``notes`` and, for the kernel, ``launch``
     (``blocks_per_sm``, ``loads_in_flight``, ``bands``: ``contiguous`` or ``interleaved``, ``timed``). ``math``: the flags that select engines. Builds and caches
     plans exactly as the call would; on CUDA that may run the gradients a few times to time candidates.
@@ -200,7 +200,8 @@ def explain_input_grad_activation(
     ``notes`` (why); when a plan was looked up ``problem``, ``cached``, ``plan_build_seconds``, ``graph_ms`` and
     ``separate_ms`` (both ways timed once per shape, bias gradient included; -1 when not measured) and ``engine``
     for the graph; on CUDA ``math``. The graph is tried only under ``TORCH_CONVBIAS_INPUT_GRAD=timed`` with choices
-    timed; building the plan may run both ways a few times, exactly as the call would.
+    timed (building the plan may run both ways a few times, exactly as the call would), or taken unmeasured wherever
+    it builds under ``TORCH_CONVBIAS_INPUT_GRAD=graph``.
     """
     conv_args = (_pair("stride", stride), _pair("padding", padding), _pair("dilation", dilation), groups)
     return json.loads(

@@ -46,7 +46,8 @@ std::shared_ptr<const DgradPlan> build_plan(
   auto plan = std::make_shared<DgradPlan>();
   const SelectionPolicy policy = default_policy(p.dtype, p.flags);
   plan->timed = policy.time_candidates();
-  if (!policy.time_candidates()) {
+  const bool forced = knobs().input_grad == "graph";
+  if (!policy.time_candidates() && !forced) {
     // Untimed (also during CUDA graph capture): the graph is only ever chosen by measurement against ATen's.
     plan->notes.push_back("choices untimed: ATen's input gradient (nn.Conv2d's), as without cudnn.benchmark");
     return plan;
@@ -57,6 +58,12 @@ std::shared_ptr<const DgradPlan> build_plan(
   if (!attempt.failure.empty()) {
     plan->notes.push_back("conv_dgrad graph rejected: " + attempt.failure + "; running ATen's convolution backward");
     plan->transient = attempt.engine.transient;
+    return plan;
+  }
+  if (forced) {
+    plan->notes.push_back("TORCH_CONVBIAS_INPUT_GRAD=graph: the conv_dgrad graph, unmeasured");
+    plan->graph = attempt.graph;
+    plan->engine = attempt.engine;
     return plan;
   }
   const at::Tensor workspace = try_workspace(attempt.engine.workspace_bytes, dy.options());
@@ -114,13 +121,14 @@ InputGradRoute route_input_grad(
   InputGradRoute route;
   constexpr auto cl = at::MemoryFormat::ChannelsLast;
   const MathFlags flags = current_math_flags();
-  if (knobs().input_grad != "timed") {
-    route.aten_reason = "TORCH_CONVBIAS_INPUT_GRAD=" + knobs().input_grad + ": ATen's input gradient";
-  } else if (auto reason = aten_only_reason(input, weight)) {
+  const std::string& knob = knobs().input_grad;
+  if (knob == "aten") {
+    route.aten_reason = "TORCH_CONVBIAS_INPUT_GRAD=aten: ATen's input gradient";
+  } else if (auto reason = aten_only_reason(input, weight, grad_output.numel())) {
     route.aten_reason = *reason;
   } else if (output_memory_format(input, weight) != cl) {
     route.aten_reason = "NCHW input and weight: ATen's input gradient (nn.Conv2d's path)";
-  } else if (requested_tuning(flags) == Tuning::Untimed) {
+  } else if (knob == "timed" && requested_tuning(flags) == Tuning::Untimed) {
     route.aten_reason = "choices untimed (cudnn.benchmark off): ATen's input gradient, as nn.Conv2d's";
   }
   if (route.aten_reason) {
@@ -141,7 +149,7 @@ InputGradRoute route_input_grad(
   p.alignments = {pointer_alignment(route.dy), pointer_alignment(route.w), pointer_alignment(route.dx)};
   p.flags = flags;
   route.plan = lookup_plan<DgradPlan>(
-      dgrad_cache(), "input_grad", p.key(), /*timed=*/true,
+      dgrad_cache(), "input_grad", p.key(), /*timed=*/knob == "timed",
       [&](const plan_store::Json& r) { return gradient_plan_from_record(r, expected_tensors(p)); },
       [&] { return build_plan(p, route.dy, route.w, route.dx); }, &gradient_plan_record, &route.build_seconds,
       &route.was_cached);
@@ -159,9 +167,12 @@ at::Tensor run_input_grad(const InputGradRoute& route) {
 
 at::Tensor input_grad(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const ConvParams& params) {
-  const InputGradRoute route = route_input_grad(grad_output, input, weight, params);
-  if (route.runs_graph()) {
-    return run_input_grad(route);
+  {
+    // Scoped: a route that does not run the graph frees its copies and dx before ATen allocates its own result.
+    const InputGradRoute route = route_input_grad(grad_output, input, weight, params);
+    if (route.runs_graph()) {
+      return run_input_grad(route);
+    }
   }
   const ConvParams& c = params;
   return input_grad_reference(grad_output, input, weight, c.stride, c.padding, c.dilation, c.groups);

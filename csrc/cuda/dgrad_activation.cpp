@@ -71,7 +71,8 @@ std::shared_ptr<const DgradActivationPlan> build_plan(
   auto plan = std::make_shared<DgradActivationPlan>();
   const SelectionPolicy policy = default_policy(p.conv.dtype, p.conv.flags);
   plan->timed = policy.time_candidates();
-  if (!policy.time_candidates()) {
+  const bool forced = knobs().input_grad == "graph";
+  if (!policy.time_candidates() && !forced) {
     plan->notes.push_back("choices untimed: the input gradient and the activation's backward separately");
     return plan;
   }
@@ -87,10 +88,31 @@ std::shared_ptr<const DgradActivationPlan> build_plan(
     plan->transient = attempt.engine.transient;
     return plan;
   }
+  if (forced) {
+    plan->notes.push_back("TORCH_CONVBIAS_INPUT_GRAD=graph: the conv_dgrad + derivative graph, unmeasured");
+    plan->graph = attempt.graph;
+    plan->engine = attempt.engine;
+    return plan;
+  }
+  // The graph is timed on a workspace allocated here: where it cannot be, the choice waits (transient) rather than
+  // timing execute_plan's fallback engine under the chosen one's name.
+  const at::Tensor workspace = try_workspace(attempt.engine.workspace_bytes, dy.options());
+  if (!workspace.defined()) {
+    plan->notes.push_back(
+        "the conv_dgrad + derivative graph's workspace could not be allocated: the input gradient and the activation's "
+        "backward separately");
+    plan->transient = true;
+    return plan;
+  }
   // Both ways whole, as calls run them: the bias gradient (here always asked for: the key leaves bias_grad out, and
   // its cost is the same pass either way in kind) and the allocations included.
   const ConvParams& c = p.conv.params;
-  plan->graph_ms = time_on_stream([&] { (void)run_graph(*attempt.graph, attempt.engine, p, dy, w, saved, true); });
+  plan->graph_ms = time_on_stream([&] {
+    const at::Tensor out = at::empty(saved.sizes(), dy.options().memory_format(at::MemoryFormat::ChannelsLast));
+    VariantPack pack = variant_pack(dy, w, saved, out);
+    execute_graph(*attempt.graph, attempt.engine.plan_index, workspace.data_ptr(), pack, what);
+    (void)cuda::bias_grad(out);
+  });
   plan->aten_ms = time_on_stream([&] { (void)separate(dy, input, w, c, saved, p.activation, true); });
   if (plan->aten_ms <= plan->graph_ms) {
     plan->notes.push_back("the input gradient and the activation's backward separately measured faster than the graph");
@@ -112,11 +134,12 @@ plan_store::ExpectedTensors expected_tensors(const DgradActivationProblem& p) {
 
 // Why the graph way is not tried for these tensors (the first reason found), or nullopt.
 std::optional<std::string> separate_reason(
-    const at::Tensor& input, const at::Tensor& weight, const at::Tensor& saved, const ActivationSpec& activation,
-    const MathFlags& flags) {
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& saved,
+    const ActivationSpec& activation, const MathFlags& flags) {
   constexpr auto cl = at::MemoryFormat::ChannelsLast;
-  if (knobs().input_grad != "timed") {
-    return "TORCH_CONVBIAS_INPUT_GRAD=" + knobs().input_grad + ": the input gradient and the activation's backward separately";
+  const std::string& knob = knobs().input_grad;
+  if (knob == "aten") {
+    return std::string("TORCH_CONVBIAS_INPUT_GRAD=aten: the input gradient and the activation's backward separately");
   }
   if (activation.is_identity()) {
     return std::string("identity: no derivative to put in the graph; the input gradient and its copy and sum separately");
@@ -125,13 +148,13 @@ std::optional<std::string> separate_reason(
     return std::string("no cuDNN derivative node reads what ") + activation_name(activation.kind) +
         "'s backward keeps: the input gradient and the activation's backward separately";
   }
-  if (auto reason = aten_only_reason(input, weight)) {
+  if (auto reason = aten_only_reason(input, weight, grad_output.numel())) {
     return *reason;
   }
   if (output_memory_format(input, weight) != cl || !saved.is_contiguous(cl)) {
     return std::string("NCHW tensors (the graph takes channels_last input, weight and saved): separately");
   }
-  if (requested_tuning(flags) == Tuning::Untimed) {
+  if (knob == "timed" && requested_tuning(flags) == Tuning::Untimed) {
     return std::string("choices untimed (cudnn.benchmark off): the input gradient and the activation's backward separately");
   }
   return std::nullopt;
@@ -173,7 +196,7 @@ InputGradActivationRoute route_input_grad_activation(
   InputGradActivationRoute route;
   constexpr auto cl = at::MemoryFormat::ChannelsLast;
   const MathFlags flags = current_math_flags();
-  route.separate_reason = separate_reason(input, weight, saved, activation, flags);
+  route.separate_reason = separate_reason(grad_output, input, weight, saved, activation, flags);
   if (route.separate_reason) {
     return route;
   }
@@ -196,7 +219,7 @@ InputGradActivationRoute route_input_grad_activation(
   p.activation = activation;
   p.saved_alignment = pointer_alignment(route.saved);
   route.plan = lookup_plan<DgradActivationPlan>(
-      dgrad_activation_cache(), "input_grad_activation", p.key(), /*timed=*/true,
+      dgrad_activation_cache(), "input_grad_activation", p.key(), /*timed=*/knobs().input_grad == "timed",
       [&](const plan_store::Json& r) { return gradient_plan_from_record(r, expected_tensors(p)); },
       [&] { return build_plan(p, route.dy, input, route.w, route.saved); }, &gradient_plan_record,
       &route.build_seconds, &route.was_cached);
@@ -206,10 +229,13 @@ InputGradActivationRoute route_input_grad_activation(
 std::tuple<at::Tensor, std::optional<at::Tensor>> input_grad_activation(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const ConvParams& params,
     const at::Tensor& saved, const ActivationSpec& activation, bool bias_grad) {
-  const InputGradActivationRoute route =
-      route_input_grad_activation(grad_output, input, weight, params, saved, activation);
-  if (route.runs_graph()) {
-    return run_graph(*route.plan->graph, route.plan->engine, route.problem, route.dy, route.w, route.saved, bias_grad);
+  {
+    // Scoped: a route that does not run the graph frees its copies before the two steps allocate theirs.
+    const InputGradActivationRoute route =
+        route_input_grad_activation(grad_output, input, weight, params, saved, activation);
+    if (route.runs_graph()) {
+      return run_graph(*route.plan->graph, route.plan->engine, route.problem, route.dy, route.w, route.saved, bias_grad);
+    }
   }
   return separate(grad_output, input, weight, params, saved, activation, bias_grad);
 }

@@ -49,8 +49,8 @@ const Knobs& knobs() {
         "TORCH_CONVBIAS_PARAM_GRAD must be aten or cudnn, got '", result.param_grad, "'");
     result.input_grad = env_or("TORCH_CONVBIAS_INPUT_GRAD", "aten");
     TORCH_CHECK_VALUE(
-        result.input_grad == "aten" || result.input_grad == "timed",
-        "TORCH_CONVBIAS_INPUT_GRAD must be aten or timed, got '", result.input_grad, "'");
+        result.input_grad == "aten" || result.input_grad == "timed" || result.input_grad == "graph",
+        "TORCH_CONVBIAS_INPUT_GRAD must be aten, timed or graph, got '", result.input_grad, "'");
     result.bias_grad = env_or("TORCH_CONVBIAS_BIAS_GRAD", "kernel");
     TORCH_CHECK_VALUE(
         result.bias_grad == "kernel" || result.bias_grad == "cudnn" || result.bias_grad == "aten",

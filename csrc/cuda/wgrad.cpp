@@ -104,39 +104,44 @@ std::shared_ptr<const WgradPlan> consider_padded_channels(
     return own;
   }
   const std::string note = padded_way_note(p.x_dims[1], channels);
-  const at::Tensor dw_padded = padded_dw(dw, channels);
-  const std::shared_ptr<const WgradPlan> padded =
-      wgrad_plan(p.with_padded_channels(), pad_channels(x, channels), dy, dw_padded, nullptr, nullptr);
-  if (!padded->graph) {
-    own->notes.push_back(note + ": no conv_wgrad graph runs that problem either");
-    return own;
-  }
-  // Both complete ways, as calls run them: the padded one with the copy of x and the copy out of the padded dw.
-  const ConvParams& c = p.params;
-  const auto describe = [&] { return "conv_wgrad graph for " + p.describe(); };
-  const auto time_own = [&] {
-    return time_on_stream([&] {
-      if (own->graph) {
-        VariantPack pack = variant_pack(x, dy, dw);
-        execute_plan(*own->graph, own->engine, pack, x.options(), describe);
-      } else {
-        (void)at::convolution_backward(
-            dy, x, dw, std::nullopt, c.stride, c.padding, c.dilation, /*transposed=*/false, {0, 0}, c.groups,
-            {false, true, false});
-      }
-    });
-  };
-  const auto time_padded = [&] {
-    return time_on_stream([&] {
-      const at::Tensor x_padded = pad_channels(x, channels); // alive while the graph runs
-      VariantPack pack = variant_pack(x_padded, dy, dw_padded);
-      execute_plan(*padded->graph, padded->engine, pack, x.options(), describe);
-      (void)with_layout(dw_padded.narrow(1, 0, p.w_dims[1]), at::MemoryFormat::ChannelsLast);
-    });
-  };
-  return keep_padded_or_own<WgradPlan>(own, padded, note, time_own, time_padded, [](WgradPlan& plan, float own_ms, float padded_ms) {
-    plan.as_is_ms = own_ms;
-    plan.padded_ms = padded_ms;
+  return padded_or_own<WgradPlan>(own, note, [&]() -> std::shared_ptr<const WgradPlan> {
+    const WgradProblem q = p.with_padded_channels();
+    const at::Tensor dw_padded = padded_dw(dw, channels);
+    const std::shared_ptr<const WgradPlan> padded = wgrad_plan(q, pad_channels(x, channels), dy, dw_padded, nullptr, nullptr);
+    if (!padded->graph) {
+      // ATen's weight gradient needs no copies of ours: on the padded problem it is no way of its own.
+      own->notes.push_back(
+          note + " not taken: that problem's plan is ATen's weight gradient (" +
+          (padded->aten_ms >= 0 ? "measured faster than its conv_wgrad graph" : "no conv_wgrad graph runs it") + ")");
+      return own;
+    }
+    // Both complete ways, as calls run them: the padded one with the copy of x and the copy out of the padded dw.
+    const ConvParams& c = p.params;
+    const auto time_own = [&] {
+      return time_on_stream([&] {
+        if (own->graph) {
+          VariantPack pack = variant_pack(x, dy, dw);
+          execute_plan(*own->graph, own->engine, pack, x.options(), [&] { return "conv_wgrad graph for " + p.describe(); });
+        } else {
+          (void)at::convolution_backward(
+              dy, x, dw, std::nullopt, c.stride, c.padding, c.dilation, /*transposed=*/false, {0, 0}, c.groups,
+              {false, true, false});
+        }
+      });
+    };
+    const auto time_padded = [&] {
+      return time_on_stream([&] {
+        const at::Tensor x_padded = pad_channels(x, channels); // alive while the graph runs
+        VariantPack pack = variant_pack(x_padded, dy, dw_padded);
+        execute_plan(*padded->graph, padded->engine, pack, x.options(), [&] { return "conv_wgrad graph for " + q.describe(); });
+        (void)with_layout(dw_padded.narrow(1, 0, p.w_dims[1]), at::MemoryFormat::ChannelsLast);
+      });
+    };
+    return keep_padded_or_own<WgradPlan>(
+        own, padded, note, time_own, time_padded, [](WgradPlan& plan, float own_ms, float padded_ms) {
+          plan.as_is_ms = own_ms;
+          plan.padded_ms = padded_ms;
+        });
   });
 }
 
@@ -213,7 +218,7 @@ std::string WgradProblem::describe() const {
 }
 
 int64_t WgradProblem::padded_channels() const {
-  return padded_channel_count(dtype, x_dims[1], params.groups);
+  return padded_channel_count(dtype, x_dims[1], params.groups, x_dims[0] * x_dims[2] * x_dims[3]);
 }
 
 WgradProblem WgradProblem::with_padded_channels() const {
@@ -238,7 +243,7 @@ WeightGradRoute route_weight_grad(
   constexpr auto cl = at::MemoryFormat::ChannelsLast;
   if (knobs().param_grad != "cudnn") {
     route.aten_reason = "TORCH_CONVBIAS_PARAM_GRAD=" + knobs().param_grad;
-  } else if (auto reason = aten_only_reason(input, weight)) {
+  } else if (auto reason = aten_only_reason(input, weight, grad_output.numel())) {
     route.aten_reason = *reason;
   } else if (output_memory_format(input, weight) != cl) {
     // The conv_wgrad graph takes channels_last dy and x: NCHW tensors go to ATen (nn.Conv2d's own path) rather
