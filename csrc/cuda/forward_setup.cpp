@@ -2,11 +2,17 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <limits>
 
 namespace convbias::cuda {
 
-std::optional<std::string> aten_only_reason(const at::Tensor& input, const at::Tensor& weight) {
+int64_t output_numel(const at::Tensor& input, const at::Tensor& weight, const ConvParams& params) {
+  const std::array<int64_t, 4> dims = output_size(input, weight, params);
+  return dims[0] * dims[1] * dims[2] * dims[3];
+}
+
+std::optional<std::string> aten_only_reason(const at::Tensor& input, const at::Tensor& weight, int64_t output_numel) {
   if (knobs().path == "aten") {
     return "TORCH_CONVBIAS_PATH=aten";
   }
@@ -20,8 +26,9 @@ std::optional<std::string> aten_only_reason(const at::Tensor& input, const at::T
     return "empty tensor: nothing for cuDNN to run";
   }
   constexpr int64_t int32_max = std::numeric_limits<int32_t>::max();
-  if (input.numel() > int32_max || weight.numel() > int32_max) {
-    return "more than 2^31 - 1 elements in one tensor";
+  if (input.numel() > int32_max || weight.numel() > int32_max || output_numel > int32_max) {
+    // cuDNN's engines index with 32 bits; ATen's convolution splits such a batch into parts that fit.
+    return "more than 2^31 - 1 elements in one tensor (input, weight or output)";
   }
   return std::nullopt;
 }
@@ -48,7 +55,7 @@ ForwardRoute route_forward(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params,
     const ActivationSpec& activation, bool keep_preactivation) {
   ForwardRoute route;
-  route.aten_reason = aten_only_reason(input, weight);
+  route.aten_reason = aten_only_reason(input, weight, output_numel(input, weight, params));
   if (route.aten_reason) {
     return route;
   }
@@ -65,7 +72,7 @@ ResidualRoute route_forward_residual(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const at::Tensor& residual, const ConvParams& params, const ActivationSpec& activation) {
   ResidualRoute route;
-  route.why_not = aten_only_reason(input, weight);
+  route.why_not = aten_only_reason(input, weight, output_numel(input, weight, params));
   if (route.why_not) {
     return route;
   }

@@ -12,8 +12,13 @@
 
 namespace convbias::cuda {
 
-// Why a call goes straight to ATen without trying a cuDNN graph, or nullopt.
-std::optional<std::string> aten_only_reason(const at::Tensor& input, const at::Tensor& weight);
+// Why a call goes straight to ATen without trying a cuDNN graph, or nullopt. `output_numel`: the element count of the
+// convolution's output side (the forward's output, the gradients' grad_output), which can pass 2^31 - 1 while the
+// input does not (N >= 1024 with more output than input channels).
+std::optional<std::string> aten_only_reason(const at::Tensor& input, const at::Tensor& weight, int64_t output_numel);
+
+// The element count of the convolution's output for these arguments.
+int64_t output_numel(const at::Tensor& input, const at::Tensor& weight, const ConvParams& params);
 
 // The caller's tensors made fully packed in one layout: channels_last when F.conv2d would return channels_last
 // (input or weight channels_last), else NCHW (the plan then decides, by measurement, how NCHW runs).

@@ -140,7 +140,7 @@ WeightGradRoute route_weight_grad(
   constexpr auto cl = at::MemoryFormat::ChannelsLast;
   if (knobs().param_grad != "cudnn") {
     route.aten_reason = "TORCH_CONVBIAS_PARAM_GRAD=" + knobs().param_grad;
-  } else if (auto reason = aten_only_reason(input, weight)) {
+  } else if (auto reason = aten_only_reason(input, weight, grad_output.numel())) {
     route.aten_reason = *reason;
   } else if (output_memory_format(input, weight) != cl) {
     // The conv_wgrad graph takes channels_last dy and x: NCHW tensors go to ATen (nn.Conv2d's own path) rather
