@@ -15,6 +15,7 @@
 #include "cuda/bias_grad.h"
 #include "cuda/bias_reduction.h"
 #include "cuda/epilogue.h"
+#include "cuda/pad_channels.h"
 #include "cuda/plan_store.h"
 #include "cuda/dgrad.h"
 #include "cuda/dgrad_activation.h"
@@ -428,6 +429,10 @@ void inject_epilogue_rejections(int64_t count) {
 
 void inject_aten_preferences(int64_t count) {
   cuda::inject_aten_preferences(count);
+}
+
+void inject_padded_way_failures(int64_t count, bool out_of_memory) {
+  cuda::inject_padded_way_failures(count, out_of_memory);
 }
 
 std::string plan_cache_stats() {

@@ -1,6 +1,7 @@
 // pad_channels.h: one thread per 16-byte chunk of the output, reading the chunk's elements of the input row (each
 // element as raw bits: zero bits are +0.0 in every floating type, so one kernel serves float16, bfloat16 and float32).
 #include "cuda/pad_channels.h"
+#include "cuda/test_hook.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -8,6 +9,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 
@@ -50,6 +52,26 @@ void launch(const at::Tensor& in, at::Tensor& out, int64_t in_row, int64_t out_r
 }
 
 } // namespace
+
+namespace {
+TestHookCountdown injected_padded_way_failures; // inject_padded_way_failures
+std::atomic<bool> injected_out_of_memory{false};
+} // namespace
+
+void inject_padded_way_failures(int64_t count, bool out_of_memory) {
+  injected_out_of_memory.store(out_of_memory);
+  injected_padded_way_failures.arm(count);
+}
+
+void throw_injected_padded_way_failure() {
+  if (!injected_padded_way_failures.take()) {
+    return;
+  }
+  TORCH_CHECK_WITH(
+      OutOfMemoryError, !injected_out_of_memory.load(),
+      "out of memory for the padded copies (injected: convbias::_inject_padded_way_failures)");
+  TORCH_CHECK(false, "the padded way failed (injected: convbias::_inject_padded_way_failures)");
+}
 
 int64_t padded_channel_count(at::ScalarType dtype, int64_t channels, int64_t groups, int64_t pixels) {
   if (groups != 1 || (dtype != at::kHalf && dtype != at::kBFloat16 && dtype != at::kFloat)) {

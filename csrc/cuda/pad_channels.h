@@ -22,4 +22,11 @@ int64_t padded_channel_count(at::ScalarType dtype, int64_t channels, int64_t gro
 // `channels` >= C, and channels * element size a multiple of 16 bytes.
 at::Tensor pad_channels(const at::Tensor& t, int64_t channels);
 
+// Test hook (convbias::_inject_padded_way_failures): the next `count` tries of the padded way fail before they run,
+// as c10::OutOfMemoryError (`out_of_memory`) or as another c10::Error; 0 clears it.
+void inject_padded_way_failures(int64_t count, bool out_of_memory);
+
+// Throws the injected failure when the hook takes this try (padded_choice.h's padded_or_own calls it first).
+void throw_injected_padded_way_failure();
+
 } // namespace convbias::cuda

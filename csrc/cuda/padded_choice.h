@@ -14,6 +14,7 @@
 
 #include "cuda/knobs.h"
 #include "cuda/math_flags.h"
+#include "cuda/pad_channels.h"
 
 namespace convbias::cuda {
 
@@ -71,6 +72,7 @@ template <typename Plan>
 std::shared_ptr<const Plan> padded_or_own(
     std::shared_ptr<Plan> own, const std::string& note, const std::function<std::shared_ptr<const Plan>()>& choose) {
   try {
+    throw_injected_padded_way_failure();
     return choose();
   } catch (const c10::OutOfMemoryError&) {
     own->transient = true;
