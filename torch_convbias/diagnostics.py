@@ -58,7 +58,9 @@ def explain(
     ``epilogue_ms`` / ``separate_ms``: the two routes, measured when choices are timed, -1 otherwise;
     ``keeps_preactivation``; ``preactivation_output``: the graph writes the pre-activation too), ``graph_outputs``
     (what the graph writes: ``["output"]``, or ``["output", "preactivation"]``), ``cached`` and
-    ``plan_build_seconds``. Builds and caches the plan if needed, exactly as the call would; on CUDA that may run the
+    ``plan_build_seconds``; ``batch_parts`` (``samples``, ``count``) when the call's input or output passes
+    2^31 - 1 elements and it runs in parts of the batch that fit cuDNN's 32-bit indexing (the other keys then
+    describe the first part). Builds and caches the plan if needed, exactly as the call would; on CUDA that may run the
     convolution a few times to time candidates.
 
     ``for_backward=True`` explains the call as autograd makes it when a gradient is needed: gelu, gelu_tanh, silu and
@@ -116,7 +118,8 @@ def explain_param_grad(
     ``weight_grad``: ``path`` (``cudnn graph``: a cuDNN conv_wgrad graph; ``aten``: ATen's weight gradient,
     nn.Conv2d's own) with ``notes`` saying why, and for channels_last tensors ``problem``, ``cached``,
     ``plan_build_seconds``, ``graph_ms`` / ``aten_ms`` (both measured once per key when timing is allowed, the
-    faster kept; -1 when not measured) and ``engine`` as in :func:`explain`. ``bias_grad``: ``way`` (``kernel``:
+    faster kept; -1 when not measured) and ``engine`` as in :func:`explain`, and ``batch_parts`` as there (the
+    parts' weight gradients summed, in FP32 for half-precision weights). ``bias_grad``: ``way`` (``kernel``:
     ours; ``cudnn``: a reduction graph; ``aten``: ATen's sum), ``notes`` and, for the kernel, ``launch``
     (``blocks_per_sm``, ``loads_in_flight``, ``bands``: ``contiguous`` or ``interleaved``, ``timed``). ``math``: the flags that select engines. Builds and caches
     plans exactly as the call would; on CUDA that may run the gradients a few times to time candidates.
