@@ -61,7 +61,9 @@ def explain(
     ``epilogue_ms`` / ``separate_ms``: the two routes, measured when choices are timed, -1 otherwise;
     ``keeps_preactivation``; ``preactivation_output``: the graph writes the pre-activation too), ``graph_outputs``
     (what the graph writes: ``["output"]``, or ``["output", "preactivation"]``), ``cached`` and
-    ``plan_build_seconds``. Builds and caches the plan if needed, exactly as the call would; on CUDA that may run the
+    ``plan_build_seconds``; ``batch_parts`` (``samples``, ``count``) when the call's input or output passes
+    2^31 - 1 elements and it runs in parts of the batch that fit cuDNN's 32-bit indexing (the other keys then
+    describe the first part). Builds and caches the plan if needed, exactly as the call would; on CUDA that may run the
     convolution a few times to time candidates.
 
     ``for_backward=True`` explains the call as autograd makes it when a gradient is needed: gelu, gelu_tanh, silu and
@@ -121,8 +123,8 @@ def explain_param_grad(
     ``plan_build_seconds``, ``graph_ms`` / ``aten_ms`` (both measured once per key when timing is allowed, the
     faster kept; -1 when not measured), ``padded_channels`` (the input channel count the gradient ran with on a
     zero-padded copy of the input, ``TORCH_CONVBIAS_PAD_CHANNELS``; null when as it is) with ``padded_ms`` / ``as_is_ms``
-    (the two ways, when measured) and ``engine`` as in :func:`explain`. ``input_grad``: the path, problem, timings,
-    notes and engine for the input gradient that autograd computes when the input requires grad (``cudnn graph``: a
+    (the two ways, when measured), ``engine`` as in :func:`explain`, and ``batch_parts`` as there (the parts' weight
+    gradients summed, in FP32 for half-precision weights). ``input_grad``: the path, problem, timings, notes and engine for the input gradient that autograd computes when the input requires grad (``cudnn graph``: a
     conv_dgrad graph, only under ``TORCH_CONVBIAS_INPUT_GRAD=timed`` with choices timed and where it measured faster,
     or wherever it builds under ``TORCH_CONVBIAS_INPUT_GRAD=graph``; ``aten``). ``bias_grad``: ``way`` (``kernel``:
     ours; ``cudnn``: a reduction graph; ``aten``: ATen's sum), ``notes`` and, for the kernel, ``launch``

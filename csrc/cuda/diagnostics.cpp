@@ -10,6 +10,7 @@
 #include "activation.h"
 #include "conv_args.h"
 #include "cuda/activation_backward.h"
+#include "cuda/batch_parts.h"
 #include "cuda/bias_activation.h"
 #include "cuda/forward_setup.h"
 #include "cuda/bias_grad.h"
@@ -197,7 +198,11 @@ std::string explain_param_grad_cuda(
     int64_t groups) {
   const ConvParams params = check_param_grad_args(grad_output, input, weight, stride, padding, dilation, groups);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  const cuda::WeightGradRoute weight_route = cuda::route_weight_grad(grad_output, input, weight, params);
+  // A batch run in parts (batch_parts.h) is explained by its first part.
+  const auto part = cuda::batch_part_size(input, weight, grad_output.numel());
+  const at::Tensor first_dy = part ? grad_output.narrow(0, 0, *part) : grad_output;
+  const at::Tensor first_x = part ? input.narrow(0, 0, *part) : input;
+  const cuda::WeightGradRoute weight_route = cuda::route_weight_grad(first_dy, first_x, weight, params);
   Json weight_grad = gradient_route_json(weight_route);
   if (!weight_route.aten_reason) {
     // The weight gradient alone may run on zero-padded input channels (pad_channels.h).
@@ -205,6 +210,10 @@ std::string explain_param_grad_cuda(
     weight_grad["padded_channels"] = plan.via_padded_channels ? Json(weight_route.problem.padded_channels()) : Json();
     weight_grad["padded_ms"] = number(plan.padded_ms);
     weight_grad["as_is_ms"] = number(plan.as_is_ms);
+  }
+  if (part) {
+    weight_grad["notes"].insert(weight_grad["notes"].begin(), cuda::batch_parts_note(input.size(0), *part));
+    weight_grad["batch_parts"] = {{"samples", *part}, {"count", (input.size(0) + *part - 1) / *part}};
   }
   const Json input_grad = gradient_route_json(cuda::route_input_grad(grad_output, input, weight, params));
   return Json{
@@ -287,7 +296,7 @@ std::string explain_input_grad_activation_cuda(
 }
 
 std::string explain_cuda(
-    const at::Tensor& input,
+    const at::Tensor& whole_input,
     const at::Tensor& weight,
     const std::optional<at::Tensor>& bias,
     at::IntArrayRef stride,
@@ -298,11 +307,17 @@ std::string explain_cuda(
     double negative_slope,
     bool for_backward) {
   const auto [params, spec] =
-      check_forward_call(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
-  const c10::cuda::CUDAGuard device_guard(input.device());
+      check_forward_call(whole_input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
+  const c10::cuda::CUDAGuard device_guard(whole_input.device());
   Json out{{"math", math_json()}};
   // Under autograd, forward runs _forward_with_preactivation for these activations (csrc/autograd.cpp).
   const bool keeps = for_backward && !spec.is_identity() && !spec.backward_from_output();
+  // A batch run in parts (batch_parts.h) is explained by its first part.
+  const auto part = cuda::batch_part_size(whole_input, weight, cuda::output_numel(whole_input, weight, params));
+  const at::Tensor input = part ? whole_input.narrow(0, 0, *part) : whole_input;
+  if (part) {
+    out["batch_parts"] = {{"samples", *part}, {"count", (whole_input.size(0) + *part - 1) / *part}};
+  }
   const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params, spec, keeps);
   if (route.aten_reason) {
     out["path"] = "aten";
@@ -338,6 +353,9 @@ std::string explain_cuda(
       {"notes", plan->notes}});
   if (plan->path != cuda::FpropPath::Aten) {
     out["engine"] = engine_json(plan->engine);
+  }
+  if (part) {
+    out["notes"].insert(out["notes"].begin(), cuda::batch_parts_note(whole_input.size(0), *part));
   }
   return out.dump();
 }

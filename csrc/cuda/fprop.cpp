@@ -216,28 +216,37 @@ at::Tensor run_aten(
 
 namespace {
 
+// Whether the graph can write `out` as its output: defined, of the problem's shape, fully packed in its layout and
+// 16-byte aligned (what plans assume of the outputs they allocate).
+bool can_write_into(const at::Tensor& out, const FpropProblem& problem) {
+  const auto format = problem.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  return out.defined() && out.scalar_type() == problem.dtype && out.sizes() == at::IntArrayRef(problem.y_dims) &&
+      out.is_contiguous(format) && pointer_alignment(out) >= 16;
+}
+
 // (output, pre-activation) by `plan` on the current stream, in the problem's layout; the pre-activation is defined
 // exactly when the problem keeps it. What run_fprop and run_fprop_with_preactivation return, and what timed choices
 // measure, so that a keep_preactivation problem's routes are compared writing what the call writes.
 std::pair<at::Tensor, at::Tensor> run_plan(
     const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
-    const std::optional<at::Tensor>& b) {
+    const std::optional<at::Tensor>& b, const at::Tensor& out = at::Tensor()) {
   if (plan.via_channels_last) {
     constexpr auto cl = at::MemoryFormat::ChannelsLast;
     auto [y, z] = run_plan(*plan.via_channels_last, problem.as_channels_last(), x.contiguous(cl), w.contiguous(cl), b);
     return {y.contiguous(), z.defined() ? z.contiguous() : z};
   }
   if (plan.via_padded_channels) {
-    // The output has the problem's own shape: only the reduction dimension grew, by zeros.
+    // The output has the problem's own shape (only the reduction dimension grew, by zeros): `out` serves as it is.
     const int64_t channels = problem.padded_channels();
     TORCH_INTERNAL_ASSERT(channels > 0);
     return run_plan(
-        *plan.via_padded_channels, problem.with_padded_channels(), pad_channels(x, channels), pad_channels(w, channels), b);
+        *plan.via_padded_channels, problem.with_padded_channels(), pad_channels(x, channels), pad_channels(w, channels), b,
+        out);
   }
   TORCH_INTERNAL_ASSERT(plan.path != FpropPath::Aten && plan.graph);
   TORCH_INTERNAL_ASSERT(!plan.activation_fused || plan.preactivation_output == problem.keep_preactivation);
   const GraphForm form = form_of(plan);
-  at::Tensor y = new_output(problem, x);
+  at::Tensor y = can_write_into(out, problem) ? out : new_output(problem, x);
   at::Tensor z = form.preactivation ? new_output(problem, x) : at::Tensor();
   auto pack = variant_pack(x, w, b, y, form.bias, z);
   execute_plan(*plan.graph, plan.engine, pack, x.options(), [&] {
@@ -975,8 +984,8 @@ std::shared_ptr<const FpropPlan> fprop_plan(
 
 at::Tensor run_fprop(
     const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
-    const std::optional<at::Tensor>& b) {
-  return run_plan(plan, problem, x, w, b).first;
+    const std::optional<at::Tensor>& b, const at::Tensor& out) {
+  return run_plan(plan, problem, x, w, b, out).first;
 }
 
 std::shared_ptr<const FpropPlan> fprop_residual_plan(

@@ -141,10 +141,12 @@ void inject_aten_preferences(int64_t count);
 at::Tensor run_aten(
     const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
 
-// act(conv(x, w) + b) by `plan` on the current stream, in the problem's layout, into a new tensor (the activation in
-// the graph or applied after it). Not for the ATen path (run_aten).
+// act(conv(x, w) + b) by `plan` on the current stream, in the problem's layout (the activation in the graph or
+// applied after it). Into `out` where the graph can write it (of the problem's shape and layout, fully packed and
+// 16-byte aligned: a batch part's slice of the whole output, batch_parts.h), else into a new tensor: the caller
+// copies when the result is not `out`. Not for the ATen path (run_aten).
 at::Tensor run_fprop(
     const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
-    const std::optional<at::Tensor>& b);
+    const std::optional<at::Tensor>& b, const at::Tensor& out = at::Tensor());
 
 } // namespace convbias::cuda
