@@ -27,7 +27,9 @@ itself: a compiled step of a small model measures the host otherwise), and ``ste
 ``gpu_kernels``: per variant, the kernels that take most of that time (ms per step), and ``gpu_kernel_groups`` all
 of it by kind (our kernels, convolution fprop / dgrad / wgrad, GEMMs, Inductor's Triton, ATen's), to see where the
 sides differ;
-``backward_fusion``: how many activation backwards the backend handed to Inductor and kept on our kernel;
+``backward_fusion``: how many activation backwards the backend handed to Inductor, merged with our input gradient
+(``merged_paths``: per merged pair, whether _input_grad_activation ran the cuDNN graph or the two steps, with both
+times: set TORCH_CONVBIAS_INPUT_GRAD=timed for the graph to be tried) and kept on our kernel;
 ``layers``: per convolution the backend rewrote (its last graph), how the op ran it (explain: path, engine, activation
 and residual in the graph or not, padded channels; for training the weight gradient's path and engine).
 
@@ -224,6 +226,40 @@ def layer_paths(records: Sequence[dict[str, Any]], phase: str, dtype: torch.dtyp
     return layers
 
 
+def merged_paths(entries: Sequence[dict[str, Any]], dtype: torch.dtype, device: str) -> list[dict[str, Any]]:
+    """How convbias._input_grad_activation ran each input gradient + activation backward the backend merged (the
+    backward report's ``merged`` entries): explain_input_grad_activation on tensors of the recorded shapes, under the
+    row's flags and knobs (TORCH_CONVBIAS_INPUT_GRAD), so that the plans are the ones the timed steps used. Per pair:
+    the shapes, the path (``cudnn graph`` or ``separate``), both ways' times, the engine and the notes."""
+    paths = []
+    cl = torch.channels_last
+    for entry in entries:
+        problem = entry.get("problem")
+        path: dict[str, Any] = {"node": entry["node"], "activation": entry["activation"]}
+        if problem is None:
+            path["error"] = "dynamic shapes"
+            paths.append(path)
+            continue
+        path.update({"input": problem["input"], "weight": problem["weight"]})
+        dy, x, w, saved = (
+            torch.randn(problem[key], device=device, dtype=dtype).contiguous(memory_format=cl)
+            for key in ("grad_output", "input", "weight", "input")
+        )
+        try:
+            info = torch_convbias.explain_input_grad_activation(
+                dy, x, w, saved, entry["activation"], problem["negative_slope"],
+                **{k: problem[k] for k in ("stride", "padding", "dilation", "groups")},
+            )  # fmt: skip
+            path.update({
+                "path": info.get("path"), "graph_ms": info.get("graph_ms"), "separate_ms": info.get("separate_ms"),
+                "engine": (info.get("engine") or {}).get("name"), "cached": info.get("cached"), "notes": info.get("notes"),
+            })  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - recorded: a diagnostic, not the measurement
+            path["error"] = common.short_error(error)
+        paths.append(path)
+    return paths
+
+
 def parameters_of(fn: nn.Module | Callable[..., Any]) -> list[nn.Parameter]:
     module = getattr(fn, "_orig_mod", fn)
     return list(module.parameters()) if isinstance(module, nn.Module) else []
@@ -307,6 +343,8 @@ def measure(name: str, phase: str, mode: common.Mode, args: argparse.Namespace) 
         reports = list(torch_convbias.compiler.reports)
         # Under the same flags, after the timings: explain's lookups find the plans the steps made.
         row["layers"] = layer_paths(reports[-1].rewrites, phase, mode.dtype, args.device) if reports else None
+        backward = list(torch_convbias.compiler.backward_reports)
+        merged = merged_paths(backward[-1].merged, mode.dtype, args.device) if backward else None
     row["step_ms"] = {v: rates[v]["median_ms"] for v in steps}
     row["gpu_ms"] = {v: (sum(k.values()) / args.calls if k is not None else None) for v, k in kernels.items()}
     row["gpu_kernels"] = {v: top_kernels(k, args.calls) for v, k in kernels.items()}
@@ -338,9 +376,12 @@ def measure(name: str, phase: str, mode: common.Mode, args: argparse.Namespace) 
     row["ours_eager_vs_nn_eager_gpu"] = over_ours("gpu_ms", ("nn_eager",), "ours_eager")
     # The backward pass's worth: the backend with every activation backward on our kernel over the default.
     row["backward_fusion_gain_gpu"] = over_ours("gpu_ms", ("ours_backend_kernel_bwd",))
-    backward = list(torch_convbias.compiler.backward_reports)
     row["backward_fusion"] = (
-        {"handed": len(backward[-1].handed), "kept": len(backward[-1].kept), "kept_why": [e["reason"] for e in backward[-1].kept]}
+        {
+            "handed": len(backward[-1].handed), "kept": len(backward[-1].kept),
+            "kept_why": [e["reason"] for e in backward[-1].kept],
+            "merged": len(backward[-1].merged), "merged_paths": merged,
+        }  # fmt: skip
         if backward
         else None
     )

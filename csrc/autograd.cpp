@@ -24,8 +24,10 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The input gradient: ATen's convolution backward; on the CPU 16-bit problems run in float32, rounded once
-// (cpu_computable in reference.h says why).
+// The input gradient: convbias::_input_grad (ATen's convolution backward, or on CUDA a cuDNN conv_dgrad graph where
+// one measured faster: cuda/dgrad.h). With create_graph=True (grad mode on in the backward, a tensor recording
+// history) ATen's differentiable convolution backward directly, so that second-order gradients through the input
+// gradient keep working. On the CPU 16-bit problems run in float32, rounded once (cpu_computable in reference.h).
 at::Tensor input_gradient(
     const at::Tensor& grad_output,
     const at::Tensor& input,
@@ -34,6 +36,16 @@ at::Tensor input_gradient(
     c10::SymIntArrayRef padding,
     c10::SymIntArrayRef dilation,
     const c10::SymInt& groups) {
+  const bool records = c10::GradMode::is_enabled() && (grad_output.requires_grad() || weight.requires_grad());
+  if (!records) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("convbias::_input_grad", "")
+                               .typed<at::Tensor(
+                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef,
+                                   c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymInt)>();
+    const at::AutoDispatchBelowADInplaceOrView below_autograd; // no autograd kernel: nothing to record
+    return op.call(grad_output, input, weight, stride, padding, dilation, groups);
+  }
   const at::Tensor grad_input = std::get<0>(at::convolution_backward_symint(
       cpu_computable(grad_output), cpu_computable(input), cpu_computable(weight), std::nullopt, stride, padding,
       dilation, /*transposed=*/false, c10::SymIntArrayRef({c10::SymInt(0), c10::SymInt(0)}), groups,

@@ -199,6 +199,31 @@ ActivationSpec check_activation_backward_call(
   return parse_activation(op, activation, negative_slope);
 }
 
+std::pair<ConvParams, ActivationSpec> check_input_grad_activation_call(
+    const at::Tensor& grad_output,
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    const at::Tensor& saved,
+    c10::string_view activation,
+    double negative_slope) {
+  constexpr const char* op = "convbias._input_grad_activation";
+  const ConvParams params = check_param_grad_args(grad_output, input, weight, stride, padding, dilation, groups);
+  TORCH_CHECK_TYPE(
+      saved.scalar_type() == input.scalar_type(), op, ": expected `saved` to have the dtype of `input` (",
+      dtype_name(input.scalar_type()), "), got ", dtype_name(saved.scalar_type()));
+  TORCH_CHECK_VALUE(
+      saved.device() == input.device(), op, ": expected `saved` on the device of `input` (", input.device(), "), got ",
+      saved.device());
+  TORCH_CHECK_VALUE(
+      saved.sizes() == input.sizes(), op, ": expected `saved` of the shape of `input` (", input.sizes(), "), got ",
+      saved.sizes());
+  return {params, parse_activation(op, activation, negative_slope)};
+}
+
 std::array<int64_t, 4> output_size(const at::Tensor& input, const at::Tensor& weight, const ConvParams& p) {
   std::array<int64_t, 4> out{input.size(0), weight.size(0), 0, 0};
   for (int d = 0; d < 2; ++d) {

@@ -76,6 +76,20 @@ ConvParams check_param_grad_args(
 ActivationSpec check_activation_backward_call(
     const at::Tensor& grad_output, const at::Tensor& saved, c10::string_view activation, double negative_slope);
 
+// Checks the arguments of convbias::_input_grad_activation: param_grad's for grad_output, input, weight and the conv
+// parameters, then `saved` of input's shape, dtype and device, then the activation. Returns both.
+std::pair<ConvParams, ActivationSpec> check_input_grad_activation_call(
+    const at::Tensor& grad_output,
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    const at::Tensor& saved,
+    c10::string_view activation,
+    double negative_slope);
+
 // (N, K, H_out, W_out) of the convolution; arguments must have passed check_forward_args.
 std::array<int64_t, 4> output_size(const at::Tensor& input, const at::Tensor& weight, const ConvParams& params);
 

@@ -32,6 +32,23 @@ TORCH_LIBRARY(convbias, m) {
   m.def(
       "param_grad(Tensor grad_output, Tensor input, Tensor weight, SymInt[2] stride, SymInt[2] padding, "
       "SymInt[2] dilation, SymInt groups, bool[2] output_mask) -> (Tensor? grad_weight, Tensor? grad_bias)");
+  // Internal, for forward's autograd (csrc/autograd.cpp): the input gradient of F.conv2d, in input's dtype, with the
+  // memory format ATen's convolution backward gives it. `input` gives the shape and layout only (its data is never
+  // read). On CUDA under TORCH_CONVBIAS_INPUT_GRAD=timed a cuDNN conv_dgrad graph where it measured faster than ATen's
+  // (csrc/cuda/dgrad.h); ATen's convolution backward elsewhere.
+  m.def(
+      "_input_grad(Tensor grad_output, Tensor input, Tensor weight, SymInt[2] stride, SymInt[2] padding, "
+      "SymInt[2] dilation, SymInt groups) -> Tensor");
+  // Internal, for the convbias torch.compile backend's backward graphs (torch_convbias/_backward_fusion.py): what
+  // _activation_backward(_input_grad(grad_output, input, weight, ...), saved, activation, negative_slope, bias_grad)
+  // computes - a layer's input gradient times the derivative of the activation of the layer below (`saved`: what that
+  // activation's backward keeps, of input's shape) and its bias gradient - in one call. On CUDA under
+  // TORCH_CONVBIAS_INPUT_GRAD=timed with choices timed, one conv_dgrad graph with the derivative in it where that
+  // measured faster (csrc/cuda/dgrad_activation.h); the two steps elsewhere.
+  m.def(
+      "_input_grad_activation(Tensor grad_output, Tensor input, Tensor weight, SymInt[2] stride, SymInt[2] padding, "
+      "SymInt[2] dilation, SymInt groups, Tensor saved, str activation, float negative_slope, bool bias_grad) "
+      "-> (Tensor grad_z, Tensor? grad_bias)");
   // The backward of forward's activation at the convolution's output, with the bias gradient in the same pass:
   // grad_z = grad_output * act'(saved) (saved: forward's output or pre-activation, as the activation's backward needs,
   // csrc/activation.h) in grad_output's dtype, channels_last when grad_output or saved is; grad_bias = grad_z summed
@@ -63,6 +80,11 @@ TORCH_LIBRARY(convbias, m) {
   m.def(
       "_explain_activation_backward(Tensor grad_output, Tensor saved, str activation, float negative_slope, "
       "bool bias_grad) -> str");
+  // The way _input_grad_activation computes its results for these arguments, as JSON: "cudnn graph" (dgrad with the
+  // derivative in it) or "separate", why, the engine and both ways' times. Builds and caches the plan as the call would.
+  m.def(
+      "_explain_input_grad_activation(Tensor grad_output, Tensor input, Tensor weight, int[2] stride, int[2] padding, "
+      "int[2] dilation, int groups, Tensor saved, str activation, float negative_slope) -> str");
   // The bias gradient one way by name ("kernel": ours; "aten": ATen's sum), for benchmarks and tests (CUDA only).
   m.def("_bias_grad(Tensor grad_output, str way) -> Tensor");
   // act(z) out of place (z's layout) by the pass run after a cuDNN graph ("graph": activation_after_graph), by ATen's
@@ -81,6 +103,10 @@ TORCH_LIBRARY(convbias, m) {
   // Test hook: the next `count` timed comparisons of a forward graph against ATen's convolution (cudnn.benchmark)
   // choose ATen's as if it had measured faster; 0 clears it.
   m.def("_inject_aten_preferences(int count) -> ()", &convbias::inject_aten_preferences);
+  // Test hook: the next `count` tries of the padded-channels way (TORCH_CONVBIAS_PAD_CHANNELS) fail before they run, as
+  // out of memory for the copies (out_of_memory) or as another error would; the problem runs as it is. 0 clears it.
+  m.def(
+      "_inject_padded_way_failures(int count, bool out_of_memory) -> ()", &convbias::inject_padded_way_failures);
   // [cuDNN version compiled against, cuDNN version loaded at run time, cuDNN frontend version].
   m.def("_cudnn_versions() -> int[]", &convbias::cudnn_versions);
 }

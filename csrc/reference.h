@@ -78,4 +78,16 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> param_grad_refe
     int64_t groups,
     std::array<bool, 2> output_mask);
 
+// The input gradient of F.conv2d (ATen's convolution backward; on the CPU 16-bit problems in float32, rounded once),
+// in input's dtype and the memory format of output_memory_format(input, weight); `input` gives the shape and layout
+// only (autograd may pass a stand-in whose data is never read).
+at::Tensor input_grad_reference(
+    const at::Tensor& grad_output,
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups);
+
 } // namespace convbias

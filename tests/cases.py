@@ -103,3 +103,24 @@ EDGE_CASES = [
 ]
 
 CASES = EDGE_CASES + random_cases(18, seed=20261202)
+
+
+def input_grad_float64(
+    dy: torch.Tensor, w: torch.Tensor, x_shape: torch.Size, case: Case
+) -> torch.Tensor:
+    """dL/dx of y = conv2d(x, w) for dL/dy = dy, in float64 on the CPU: each tap (r, s) of the kernel scatters
+    dy @ w[:, :, r, s] back onto the strided, dilated window of the padded input it read."""
+    n, c, h, width = x_shape
+    k, groups = w.shape[0], case.groups
+    cg, kg = c // groups, k // groups
+    (sh, sw), (ph, pw), (dh, dw) = case.stride, case.padding, case.dilation
+    dy, w = dy.detach().cpu().double(), w.detach().cpu().double()
+    ho, wo = dy.shape[2:]
+    padded = torch.zeros(n, c, h + 2 * ph, width + 2 * pw, dtype=torch.float64)
+    for g in range(groups):
+        for r in range(w.shape[2]):
+            for s in range(w.shape[3]):
+                tap = torch.einsum("nkhw,kc->nchw", dy[:, g * kg:(g + 1) * kg], w[g * kg:(g + 1) * kg, :, r, s])
+                padded[:, g * cg:(g + 1) * cg, r * dh:r * dh + sh * (ho - 1) + 1:sh,
+                       s * dw:s * dw + sw * (wo - 1) + 1:sw] += tap
+    return padded[:, :, ph:ph + h, pw:pw + width]

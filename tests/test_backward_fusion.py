@@ -1,7 +1,8 @@
 """The convbias backend's activation-backward pass (torch_convbias/_backward_fusion.py): in the backward graph Inductor
 compiles, ``convbias._activation_backward`` becomes ATen's derivative and a bias sum where the incoming gradient is
-computed by Inductor's own code (a max-pool's backward), so that one generated kernel does both; where it comes from
-a library kernel (a convolution's input gradient) or is the graph's input, our kernel stays.
+computed by Inductor's own code (a max-pool's backward), so that one generated kernel does both; where it is our own
+input gradient (a convolution directly above), the two merge into ``convbias._input_grad_activation``; where it is
+the graph's input, our kernel stays.
 
 On the CPU (``convbias.devices`` including "cpu", Inductor's C++ backend): which nodes are handed over (the pass's
 report, and the generated code's calls of the op), and every gradient against the same model run eagerly in float64
@@ -29,6 +30,7 @@ from torch_convbias import compiler
 
 CPU = ("cpu", "cuda")
 OP_CALL = re.compile(r"torch\.ops\.convbias\._activation_backward\.default\(")
+MERGED_CALL = re.compile(r"torch\.ops\.convbias\._input_grad_activation\.default\(")
 
 
 @pytest.fixture(autouse=True)
@@ -86,9 +88,10 @@ def train_against_float64(
     return code
 
 
-def op_calls(code: list[str]) -> int:
-    """How many times the generated code calls our activation-backward kernel."""
-    return sum(len(OP_CALL.findall(source)) for source in code)
+def op_calls(code: list[str], pattern: re.Pattern[str] = OP_CALL) -> int:
+    """How many times the generated code calls our activation-backward kernel (or, with MERGED_CALL, the op it is
+    merged into with the input gradient)."""
+    return sum(len(pattern.findall(source)) for source in code)
 
 
 def compile_with(model: nn.Module, policy: str | None = None, **kwargs: Any) -> Any:
@@ -98,17 +101,17 @@ def compile_with(model: nn.Module, policy: str | None = None, **kwargs: Any) -> 
     return torch.compile(model, backend="convbias", options=options, fullgraph=True, **kwargs)
 
 
-def test_auto_hands_over_the_activations_below_a_pool_and_keeps_the_one_below_a_convolution() -> None:
+def test_auto_hands_over_the_activations_below_a_pool_and_merges_the_one_below_a_convolution() -> None:
     torch.manual_seed(0)
     model = pooled_network()
     code = train_against_float64(model, compile_with(model), torch.randn(2, 3, 8, 8))
     assert compiler.reports[-1].count(activation="relu") == 3
     (report,) = compiler.backward_reports
-    assert len(report.handed) == 2 and len(report.kept) == 1, report
-    # The next convolution's input gradient: ATen's convolution_backward (or an op of ours computing it).
-    assert re.search(r"aten::convolution_backward|convbias::", report.kept[0]["reason"]), report
+    assert len(report.handed) == 2 and len(report.merged) == 1 and report.kept == [], report
+    # The next convolution's input gradient (convbias._input_grad) and this derivative: one op.
+    assert "into convbias._input_grad_activation" in report.merged[0]["reason"], report
     assert all("Inductor generates code for" in entry["reason"] for entry in report.handed), report
-    assert op_calls(code) == 1  # only the kept one is still a call of our kernel
+    assert op_calls(code) == 0 and op_calls(code, MERGED_CALL) == 1
 
 
 def test_a_gradient_that_is_the_graph_input_keeps_our_kernel() -> None:
@@ -131,6 +134,27 @@ ACTIVATIONS = {
     "sigmoid": nn.Sigmoid,
     "tanh": nn.Tanh,
 }
+
+
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_a_convolution_directly_above_an_activation_merges_for_every_activation(name: str) -> None:
+    """conv -> act -> conv -> act: the lower activation's backward takes the upper convolution's input gradient and
+    nothing else does, so the two are one _input_grad_activation (the top one's gradient is the graph's input: kept);
+    every gradient equals float64 autograd of nn.Conv2d + the activation."""
+    torch.manual_seed(0)
+    act = ACTIVATIONS[name]
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), act(), nn.Conv2d(8, 4, 3, padding=1, stride=2), act())
+    code = train_against_float64(model, compile_with(model), torch.randn(2, 3, 7, 6))
+    (report,) = compiler.backward_reports
+    assert len(report.merged) == 1 and len(report.kept) == 1 and report.handed == [], report
+    assert op_calls(code) == 1 and op_calls(code, MERGED_CALL) == 1
+    # The merged op's problem, for explain_input_grad_activation (bench_models' merged_paths): the upper convolution.
+    slope = report.merged[0]["problem"].pop("negative_slope")
+    assert report.merged[0]["problem"] == {
+        "grad_output": [2, 4, 4, 3], "input": [2, 8, 7, 6], "weight": [4, 8, 3, 3], "stride": [2, 2],
+        "padding": [1, 1], "dilation": [1, 1], "groups": 1,
+    }, report  # fmt: skip
+    assert slope == (model[1].negative_slope if isinstance(model[1], nn.LeakyReLU) else 0.01)
 
 
 @pytest.mark.parametrize("name", list(ACTIVATIONS))
@@ -159,8 +183,8 @@ def test_bias_free_convolutions_hand_over_the_derivative_alone() -> None:
     model = pooled_network(bias=False)
     code = train_against_float64(model, compile_with(model), torch.randn(2, 3, 8, 8))
     (report,) = compiler.backward_reports
-    assert len(report.handed) == 2 and len(report.kept) == 1
-    assert op_calls(code) == 1
+    assert len(report.handed) == 2 and len(report.merged) == 1 and report.kept == []
+    assert op_calls(code) == 0 and op_calls(code, MERGED_CALL) == 1
 
 
 class PooledResidual(nn.Module):
@@ -197,6 +221,7 @@ def test_dynamic_batch_sizes_share_one_handed_over_graph() -> None:
     assert len(compiler.reports) == 1
     (report,) = compiler.backward_reports  # one backward graph for every batch size
     assert len(report.handed) == 2
+    assert len(report.merged) == 1 and report.merged[0]["problem"] is None  # a symbolic batch: no static problem
 
 
 class CountingPass(CustomGraphPass):
@@ -259,11 +284,9 @@ def test_bfloat16_pooled_network_hands_over_and_matches_our_kernel(device: str) 
 
     actual, code = run_and_get_code(step)
     (report,) = compiler.backward_reports
-    # On CUDA the middle activation's gradient is the convolution's input gradient (a library kernel): kept. On the
-    # CPU a 16-bit input gradient is computed in float32 and rounded by a conversion Inductor generates: handed too.
-    if device == "cuda":
-        assert len(report.handed) == 2 and len(report.kept) == 1, report
-    assert len(report.handed) >= 2 and op_calls(code) == len(report.kept), report
+    # The middle activation's gradient is the next convolution's input gradient (convbias._input_grad): merged.
+    assert len(report.handed) == 2 and len(report.merged) == 1 and report.kept == [], report
+    assert op_calls(code) == 0 and op_calls(code, MERGED_CALL) == 1, report
     torch.testing.assert_close(actual, expected, rtol=3e-2, atol=3e-2)
     for (name, p), reference in zip(model.named_parameters(), kept.parameters()):
         g = reference.grad
@@ -304,6 +327,21 @@ def test_uses_other_than_the_ops_two_results_keep_our_kernel(use: str, bias_grad
     (report,) = compiler.backward_reports
     assert report.handed == [] and len(report.kept) == 1 and reason in report.kept[0]["reason"], report
     assert node in graph.nodes
+
+
+def test_an_input_gradient_used_elsewhere_is_not_merged() -> None:
+    """A hand-built graph where the input gradient is also an output of the graph: merging would lose it, so the
+    activation backward stays our kernel and the report says what else uses the gradient."""
+    graph = torch.fx.Graph()
+    dy, x, w, saved = (graph.placeholder(name) for name in ("dy", "x", "w", "saved"))
+    grad = graph.call_function(torch.ops.convbias._input_grad.default, (dy, x, w, [1, 1], [1, 1], [1, 1], 1))
+    node = graph.call_function(torch.ops.convbias._activation_backward.default, (grad, saved, "relu", 0.01, True))
+    graph.output((graph.call_function(operator.getitem, (node, 0)), grad))
+    torch_convbias._backward_fusion.ActivationBackwardPass("auto")(graph)
+    (report,) = compiler.backward_reports
+    assert report.merged == [] and len(report.kept) == 1, report
+    assert f"the input gradient {grad.name} is also used by output" in report.kept[0]["reason"], report
+    assert node in graph.nodes and grad in graph.nodes
 
 
 def test_identity_handed_over_is_the_gradient_itself_and_its_sum() -> None:

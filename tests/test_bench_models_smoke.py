@@ -40,6 +40,7 @@ def test_models_benchmark_runs_every_variant_on_cpu(tmp_path: Path) -> None:
     # In training the first conv's ReLU gets its gradient from the second conv's input gradient (our kernel stays),
     # the last conv's GELU from the average pool's backward (handed to Inductor).
     assert rows["train"]["backward_fusion"]["handed"] == 1 and rows["train"]["backward_fusion"]["kept"] == 1
+    assert rows["train"]["backward_fusion"]["merged"] == 0 and rows["train"]["backward_fusion"]["merged_paths"] == []
     assert "convolution_backward" in rows["train"]["backward_fusion"]["kept_why"][0]
     assert rows["infer"]["backward_fusion"] is None
     # Per rewritten layer, how the op ran it (explain on the layer's shapes: ATen's reference on the CPU); for
@@ -106,3 +107,16 @@ def test_kernel_groups_sort_profiler_names_by_kind() -> None:
         "aten": 0.0625, "other": 0.03125,
     }  # fmt: skip
     assert bench_models.kernel_groups(None, calls=2) is None
+
+
+def test_merged_paths_explain_each_pair_from_the_backward_report() -> None:
+    """A merged pair as the backend's report records it (conv 8 -> 4 above a ReLU, batch 2): explained on the CPU
+    (the two steps, ATen's reference); a pair without static shapes says so instead of failing."""
+    import torch
+
+    problem = {"grad_output": [2, 4, 3, 3], "input": [2, 8, 6, 6], "weight": [4, 8, 3, 3], "stride": [2, 2],
+               "padding": [1, 1], "dilation": [1, 1], "groups": 1, "negative_slope": 0.01}  # fmt: skip
+    entries = [{"node": "a", "activation": "relu", "problem": problem}, {"node": "b", "activation": "gelu", "problem": None}]
+    first, second = bench_models.merged_paths(entries, torch.float32, "cpu")
+    assert first["path"] == "separate" and first["input"] == [2, 8, 6, 6] and "CPU tensors" in first["notes"][0], first
+    assert second == {"node": "b", "activation": "gelu", "error": "dynamic shapes"}

@@ -420,6 +420,14 @@ def test_input_on_another_gpu() -> None:
         got = torch.ops.convbias._bias_grad(dy, way)
         assert got.device == dy.device
         torch.testing.assert_close(got, dy.sum((0, 2, 3)), rtol=1e-5, atol=1e-5)
+    # The backend's merged input gradient + activation backward too (cuda:0 current), against the CPU's two steps.
+    saved = torch.relu(torch.randn_like(x)).contiguous(memory_format=torch.channels_last)
+    args = (dy, x, w.contiguous(memory_format=torch.channels_last), [1, 1], [1, 1], [1, 1], 1, saved, "relu", 0.01, True)
+    grad_z, grad_bias = torch.ops.convbias._input_grad_activation(*args)
+    want_z, want_bias = torch.ops.convbias._input_grad_activation(*(a.cpu() if torch.is_tensor(a) else a for a in args))
+    assert grad_z.device == grad_bias.device == dy.device
+    torch.testing.assert_close(grad_z.cpu(), want_z, rtol=5e-3, atol=5e-3)
+    torch.testing.assert_close(grad_bias.cpu(), want_bias, rtol=5e-3, atol=5e-2)
 
 
 
@@ -516,7 +524,9 @@ def test_cache_size_knob_evicts() -> None:
         ("TORCH_CONVBIAS_CACHE_SIZE", "many", "TORCH_CONVBIAS_CACHE_SIZE must be a positive integer, got 'many'"),
         ("TORCH_CONVBIAS_AUTOTUNE", "max", "TORCH_CONVBIAS_AUTOTUNE must be auto, off, quick or on"),
         ("TORCH_CONVBIAS_PARAM_GRAD", "cuda", "TORCH_CONVBIAS_PARAM_GRAD must be aten or cudnn"),
+        ("TORCH_CONVBIAS_INPUT_GRAD", "cudnn", "TORCH_CONVBIAS_INPUT_GRAD must be aten, timed or graph, got 'cudnn'"),
         ("TORCH_CONVBIAS_NCHW", "native", "TORCH_CONVBIAS_NCHW must be auto, graph, copy or aten, got 'native'"),
+        ("TORCH_CONVBIAS_PAD_CHANNELS", "always", "TORCH_CONVBIAS_PAD_CHANNELS must be auto, on or off, got 'always'"),
         ("TORCH_CONVBIAS_BIAS_GRAD", "sum", "TORCH_CONVBIAS_BIAS_GRAD must be kernel, cudnn or aten, got 'sum'"),
         ("TORCH_CONVBIAS_WORKSPACE_FALLBACK", "maybe", "TORCH_CONVBIAS_WORKSPACE_FALLBACK must be on or off, got 'maybe'"),
     ],

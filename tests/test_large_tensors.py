@@ -1,37 +1,139 @@
-"""Problems with a tensor past 2^31 - 1 elements run ATen's convolution, which splits such a batch (cuDNN's engines
-index with 32 bits): the input and weight, and also the output side alone — the forward's output, the gradients'
-grad_output — which passes the limit first where a layer has more output than input channels (N >= 1024 RGB images
-into 64 channels). Only routing is asked (explain), so the tests allocate without computing."""
+"""Calls past 2^31 - 1 elements in one tensor (cuDNN's engines index with 32 bits).
+
+A call whose input or output side passes the limit while one sample's does not runs in parts of the batch that fit,
+each part on its own route (a cuDNN graph writing into its slice of the output; the weight gradients of the parts
+summed): the output passes first where a layer has more output than input channels (N >= 1024 RGB images into 64
+channels). A call that cannot be split (one sample alone past the limit) runs ATen's convolution, which splits what it
+can itself. The oracles are matrix products (einsum over the 1x1 convolutions used here), not convolutions, computed
+one sample at a time in FP32; the tests need a few GiB of GPU memory each."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import cuda
 
 import torch_convbias
 
 LIMIT = "more than 2^31 - 1 elements"
+CL = torch.channels_last
+CONV_ARGS = ([1, 1], [0, 0], [1, 1], 1)
 
 
 @cuda
-def test_output_past_int32_elements_routes_forward_and_weight_gradient_to_aten() -> None:
-    """A 1-channel 16384 x 16384 input (2^28 elements) into 9 channels: the output has 9 * 2^28 > 2^31 - 1 elements."""
-    x = torch.empty(1, 1, 16384, 16384, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
-    w = torch.randn(9, 1, 1, 1, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+def test_one_sample_past_the_limit_routes_forward_and_weight_gradient_to_aten() -> None:
+    """A 1-channel 16384 x 16384 input (2^28 elements) into 9 channels: the output has 9 * 2^28 > 2^31 - 1 elements
+    and one sample cannot be split."""
+    x = torch.empty(1, 1, 16384, 16384, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+    w = torch.randn(9, 1, 1, 1, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
     b = torch.randn(9, device="cuda", dtype=torch.float16)
     info = torch_convbias.explain(x, w, b)
-    assert info["path"] == "aten" and LIMIT in info["notes"][0], info
-    dy = torch.empty(1, 9, 16384, 16384, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    assert info["path"] == "aten" and LIMIT in info["notes"][0] and "batch_parts" not in info, info
+    dy = torch.empty(1, 9, 16384, 16384, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
     grad = torch_convbias.explain_param_grad(dy, x, w)
     assert grad["weight_grad"]["path"] == "aten" and LIMIT in grad["weight_grad"]["notes"][0], grad
 
 
 @cuda
-def test_tensors_under_the_limit_are_not_sent_to_aten_for_it() -> None:
-    """The same layer at a quarter of the size (9 * 2^26 output elements) takes a cuDNN graph: the check is the
+def test_tensors_under_the_limit_are_neither_split_nor_sent_to_aten_for_it() -> None:
+    """The same layer at a quarter of the size (9 * 2^26 output elements) takes a cuDNN graph whole: the check is the
     element count, not the shape."""
-    x = torch.randn(1, 1, 8192, 8192, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
-    w = torch.randn(9, 1, 1, 1, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(1, 1, 8192, 8192, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+    w = torch.randn(9, 1, 1, 1, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
     b = torch.randn(9, device="cuda", dtype=torch.float16)
     info = torch_convbias.explain(x, w, b)
-    assert info["path"] != "aten" or not any(LIMIT in note for note in info["notes"]), info
+    assert "batch_parts" not in info and not any(LIMIT in note for note in info["notes"]), info
+
+
+def large_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """6 channels_last fp16 samples of 8 x 4096 x 4096 into 24 channels (1x1): 6 * 24 * 2^24 = 2.4e9 output elements,
+    4.0e8 per sample, so two parts of 3 samples."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(6, 4096, 4096, 8, device="cuda", dtype=torch.float16, generator=g).permute(0, 3, 1, 2)
+    w = torch.randn(24, 8, 1, 1, device="cuda", dtype=torch.float16, generator=g).contiguous(memory_format=CL)
+    b = torch.randn(24, device="cuda", dtype=torch.float16, generator=g)
+    assert x.is_contiguous(memory_format=CL)
+    return x, w, b
+
+
+def conv1x1_sample(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, i: int) -> torch.Tensor:
+    """Sample i of conv(x, w) + b in FP32 as a matrix product (the oracle, independent of any convolution code)."""
+    return torch.einsum("chw,kc->khw", x[i].float(), w[:, :, 0, 0].float()) + b.float()[:, None, None]
+
+
+def assert_parts(info: dict, what: str) -> None:
+    assert info.get("batch_parts") == {"samples": 3, "count": 2}, (what, info)
+    assert "runs in 2 parts of at most 3 samples" in info["notes"][0], (what, info)
+    assert not any(LIMIT in note for note in info["notes"]), (what, info)
+
+
+@cuda
+@torch.no_grad()
+def test_a_batch_past_the_limit_runs_in_parts_and_matches() -> None:
+    x, w, b = large_batch()
+    info = torch_convbias.explain(x, w, b)
+    assert_parts(info, "forward")
+    y = torch.ops.convbias.forward(x, w, b, *CONV_ARGS)
+    assert y.shape == (6, 24, 4096, 4096) and y.is_contiguous(memory_format=CL)
+    for i in range(6):  # both parts, every sample
+        torch.testing.assert_close(y[i].float(), conv1x1_sample(x, w, b, i), rtol=1e-2, atol=1e-2, msg=f"sample {i}")
+
+
+@cuda
+@torch.no_grad()
+def test_a_batch_past_the_limit_keeps_its_preactivation_in_parts() -> None:
+    """_forward_with_preactivation (autograd's forward for gelu): both outputs, every sample."""
+    x, w, b = large_batch()
+    assert_parts(torch_convbias.explain(x, w, b, activation="gelu", for_backward=True), "gelu for backward")
+    out, z = torch.ops.convbias._forward_with_preactivation(x, w, b, *CONV_ARGS, "gelu", 0.01)
+    assert out.is_contiguous(memory_format=CL) and z.is_contiguous(memory_format=CL)
+    for i in range(6):
+        want = conv1x1_sample(x, w, b, i)
+        torch.testing.assert_close(z[i].float(), want, rtol=1e-2, atol=1e-2, msg=f"pre-activation, sample {i}")
+        torch.testing.assert_close(
+            out[i].float(), torch.nn.functional.gelu(want), rtol=1e-2, atol=1e-2, msg=f"output, sample {i}"
+        )
+
+
+@cuda
+@torch.no_grad()
+def test_a_residual_call_past_the_limit_runs_its_convolution_in_parts() -> None:
+    """The residual's graph does not take parts: forward's route in parts, then the residual add and the activation."""
+    x, w, b = large_batch()
+    r = torch.randn(6, 4096, 4096, 24, device="cuda", dtype=torch.float16).permute(0, 3, 1, 2)
+    info = torch_convbias.explain(x, w, b, activation="relu", residual=r)
+    assert info["residual"]["fused"] is False and LIMIT in info["residual"]["why"], info
+    assert_parts(info, "residual")
+    y = torch.ops.convbias.forward_residual(x, w, b, r, *CONV_ARGS, "relu", 0.01)
+    for i in (0, 5):
+        want = torch.relu(conv1x1_sample(x, w, b, i) + r[i].float())
+        torch.testing.assert_close(y[i].float(), want, rtol=1e-2, atol=2e-2, msg=f"sample {i}")
+
+
+@cuda
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_weight_and_bias_gradients_of_a_batch_past_the_limit_sum_the_parts(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """grad_output of 2.4e9 elements: the weight gradient summed over the two parts (in FP32 for fp16), the bias
+    gradient by our reduction over the whole tensor (64-bit indexing). Scaled so that fp16 sums stay in range; fp32
+    without TF32 (which alone is off by ~1e-3 of the largest entry over these 1e8-term sums)."""
+    if dtype == torch.float32:
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    x, w, _ = large_batch()
+    x, w = x.to(dtype), w.to(dtype)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    dy = (torch.randn(6, 4096, 4096, 24, device="cuda", dtype=dtype, generator=g) * 0.01).permute(0, 3, 1, 2)
+    grad_info = torch_convbias.explain_param_grad(dy, x, w)
+    assert_parts(grad_info["weight_grad"], "weight gradient")
+    grad_weight, grad_bias = torch.ops.convbias.param_grad(dy, x, w, *CONV_ARGS, [True, True])
+    want_weight = sum(torch.einsum("khw,chw->kc", dy[i].float(), x[i].float()) for i in range(6))
+    want_bias = sum(dy[i].float().sum((1, 2)) for i in range(6))
+    assert grad_weight.dtype == dtype and grad_weight.shape == w.shape
+    scale = want_weight.abs().max().item()
+    tol = 2e-3 if dtype == torch.float16 else 1e-4
+    torch.testing.assert_close(grad_weight[:, :, 0, 0].float(), want_weight, rtol=tol, atol=tol * scale)
+    torch.testing.assert_close(
+        grad_bias.float(), want_bias, rtol=tol, atol=tol * want_bias.abs().max().item()
+    )

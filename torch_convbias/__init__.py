@@ -39,6 +39,7 @@ from .diagnostics import (  # noqa: E402
     cache_info,
     explain,
     explain_activation_backward,
+    explain_input_grad_activation,
     explain_param_grad,
     versions,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "diagnostics",
     "explain",
     "explain_activation_backward",
+    "explain_input_grad_activation",
     "explain_param_grad",
     "functional",
     "ops",

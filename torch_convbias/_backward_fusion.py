@@ -11,9 +11,14 @@ Inductor's decompositions, so that Inductor fuses them with g's producer. Where 
 calls (a convolution's input gradient, a matmul, an op of ours) or is an input of the backward graph, there is
 nothing to fuse with and our kernel stays.
 
-Policies (backend option ``convbias.activation_backward``): ``"auto"`` (the rule above, the default), ``"ours"``
-(never replaced), ``"inductor"`` (always replaced: for measuring one against the other). :data:`reports` keeps one
-:class:`BackwardReport` per backward graph compiled.
+Where g is our own input gradient (``convbias._input_grad``, the next layer's: a convolution directly above this
+activation) used by nothing else, the two become one ``convbias._input_grad_activation``: on CUDA that op may run the
+input gradient with the derivative in the same cuDNN graph, so that g is never written out (it chooses by
+measurement, csrc/cuda/dgrad_activation.h; otherwise it runs the same two kernels).
+
+Policies (backend option ``convbias.activation_backward``): ``"auto"`` (the rules above, the default), ``"ours"``
+(never replaced nor merged), ``"inductor"`` (always replaced: for measuring one against the other). :data:`reports`
+keeps one :class:`BackwardReport` per backward graph compiled.
 """
 
 from __future__ import annotations
@@ -64,11 +69,14 @@ _VIEWS = {
 @dataclasses.dataclass
 class BackwardReport:
     """What the pass did in one backward graph: ``handed`` the activation backwards replaced by ATen's derivative and a
-    sum (Inductor fuses them with the gradient's producer), ``kept`` those left to our kernel; each entry names the
-    node, the activation and the reason (the gradient's producer)."""
+    sum (Inductor fuses them with the gradient's producer), ``merged`` those merged with the input gradient producing
+    their gradient into ``convbias._input_grad_activation``, ``kept`` those left to our kernel as they are; each entry
+    names the node, the activation and the reason (the gradient's producer); a merged one also its ``problem`` (the
+    static shapes and parameters of the merged op, for explain_input_grad_activation; None under dynamic shapes)."""
 
-    handed: list[dict[str, str]] = dataclasses.field(default_factory=list)
-    kept: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    handed: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    merged: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    kept: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 # The last backward graphs' reports, newest last.
@@ -187,6 +195,66 @@ def _replaceable(node: fx.Node, bias_grad: bool) -> str:
     return ""
 
 
+_NOT_OUR_INPUT_GRAD = "the gradient is not convbias._input_grad's result"
+
+
+def _merge_refusal(node: fx.Node, grad: fx.Node) -> str:
+    """Why ``node`` (an activation backward) cannot be merged with the producer of its gradient ``grad`` into
+    ``convbias._input_grad_activation`` ("" when it can): the gradient must be our input gradient's result itself (no
+    view between), used by this node alone."""
+    if grad.op != "call_function" or grad.target is not torch.ops.convbias._input_grad.default:
+        return _NOT_OUR_INPUT_GRAD
+    if len(grad.users) != 1:
+        return f"the input gradient {grad.name} is also used by {', '.join(u.name for u in grad.users if u is not node)}"
+    return ""
+
+
+def _merged_problem(grad: fx.Node, slope: float) -> dict[str, Any] | None:
+    """The merged op's static shapes and conv parameters, from the input gradient's arguments (None where a shape or
+    parameter is symbolic)."""
+    names = ("grad_output", "input", "weight", "stride", "padding", "dilation", "groups")
+    values = dict(zip(names, grad.args))
+    values.update(grad.kwargs)
+    def static(value: Any) -> int:
+        # A torch.SymInt (dynamic shapes) is not turned into an int here: that would add a guard after guarding ended.
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"not a static int: {value!r}")
+        return value
+
+    try:
+        problem: dict[str, Any] = {
+            name: [static(size) for size in values[name].meta["val"].shape]  # type: ignore[union-attr]
+            for name in ("grad_output", "input", "weight")
+        }
+        for name in ("stride", "padding", "dilation"):
+            problem[name] = [static(v) for v in values[name]]  # type: ignore[union-attr]
+        problem["groups"] = static(values["groups"])
+    except (KeyError, TypeError, AttributeError):
+        return None
+    problem["negative_slope"] = slope
+    return problem
+
+
+def _merge(graph: fx.Graph, node: fx.Node, grad: fx.Node) -> None:
+    """Replace ``node`` and the ``convbias._input_grad`` producing its gradient by one ``_input_grad_activation``
+    (same results, same ``getitem`` users)."""
+    names = ("grad_output", "input", "weight", "stride", "padding", "dilation", "groups")
+    conv = dict(zip(names, grad.args))
+    conv.update(grad.kwargs)
+    _, saved, activation, slope, bias_grad = _arguments(node)
+    with graph.inserting_before(node):
+        merged = graph.call_function(
+            torch.ops.convbias._input_grad_activation.default,
+            tuple(conv[name] for name in names) + (saved, activation, slope, bias_grad),
+        )
+    # The activation backward's results are the merged op's; not its eager_input_vals (the fake arguments of another
+    # schema, which Inductor would match against this op's).
+    merged.meta.update({k: v for k, v in node.meta.items() if k != "eager_input_vals"})
+    node.replace_all_uses_with(merged)
+    graph.erase_node(node)
+    graph.erase_node(grad)
+
+
 class ActivationBackwardPass(CustomGraphPass):
     """Inductor's ``post_grad_custom_pre_pass`` under the convbias backend (the module docstring says what it does);
     ``then`` is a pre-pass the caller had set, run after this one."""
@@ -203,13 +271,22 @@ class ActivationBackwardPass(CustomGraphPass):
                 grad, saved, activation, slope, bias_grad = _arguments(node)
                 traced, why = self._replacement(node, grad, saved, activation, slope, bias_grad)
                 entry = {"node": node.name, "activation": activation, "reason": why}
+                merge_refusal = _merge_refusal(node, grad) if traced is None and self.policy == "auto" else None
                 if traced is not None:
                     _replace(graph, node, traced, grad, saved)
                     report.handed.append(entry)
                     LOG.info("handed %s (%s backward) to Inductor: %s", node.name, activation, why)
+                elif merge_refusal == "":
+                    entry["reason"] = f"merged with the input gradient {grad.name} into convbias._input_grad_activation"
+                    entry["problem"] = _merged_problem(grad, slope)
+                    _merge(graph, node, grad)
+                    report.merged.append(entry)
+                    LOG.info("merged %s (%s backward) with %s", node.name, activation, grad.name)
                 else:
+                    if merge_refusal and merge_refusal != _NOT_OUR_INPUT_GRAD:
+                        entry["reason"] = f"{why}; not merged: {merge_refusal}"
                     report.kept.append(entry)
-                    LOG.info("kept %s (%s backward) on our kernel: %s", node.name, activation, why)
+                    LOG.info("kept %s (%s backward) on our kernel: %s", node.name, activation, entry["reason"])
             reports.append(report)
             graph.lint()
         if self.then is not None:

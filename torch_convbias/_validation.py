@@ -191,6 +191,31 @@ def check_param_grad_args(
         )
 
 
+def check_input_grad_activation_args(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    saved: torch.Tensor,
+    activation: str,
+    negative_slope: float,
+) -> None:
+    """Raise ValueError/TypeError naming the offending argument, as convbias::_input_grad_activation's kernels do:
+    param_grad's checks, then ``saved`` of input's dtype, device and shape, then the activation."""
+    op = "convbias._input_grad_activation"
+    check_param_grad_args(grad_output, input, weight, stride, padding, dilation, groups)
+    if saved.dtype != input.dtype:
+        raise TypeError(f"{op}: expected `saved` to have the dtype of `input` ({input.dtype}), got {saved.dtype}")
+    if saved.device != input.device:
+        raise ValueError(f"{op}: expected `saved` on the device of `input` ({input.device}), got {saved.device}")
+    if list(saved.shape) != list(input.shape):
+        raise ValueError(f"{op}: expected `saved` of the shape of `input` ({list(input.shape)}), got {list(saved.shape)}")
+    check_activation(activation, negative_slope, op)
+
+
 def output_size(
     input: torch.Tensor,
     weight: torch.Tensor,

@@ -50,7 +50,10 @@ def explain(
     alternatives were rejected) and, on CUDA, ``engine`` (name, workspace, build time, runtime-compiled or not,
     timings of the candidates, rejections), ``layout`` (``channels_last``, ``copied to channels_last``, or for
     NCHW input and weight ``nchw graph`` / ``nchw via channels_last copies`` / ``nchw (aten)``), ``layout_timings``
-    (``[way, ms]`` of each way of running NCHW tensors that was measured), ``converted_input``, ``output``,
+    (``[way, ms]`` of each way measured: of running NCHW tensors, or for channels_last tensors with misaligned
+    channel rows ``as_is`` and ``padded_channels``), ``padded_channels`` (the input channel count the convolution ran
+    with on zero-padded copies of input and weight, ``TORCH_CONVBIAS_PAD_CHANNELS``; null when it ran as it is),
+    ``converted_input``, ``output``,
     ``alignment``, ``math`` (the flags that select engines), ``graph_ops`` (the cuDNN graph's operations in order,
     e.g. ``["CONV_FPROP", "ADD", "RELU_FWD"]``; empty on the ATen path), ``activation`` (``name``; ``fused``: true when
     the activation is the graph's last node, its epilogue, false when ATen's pointwise kernel runs it after the graph
@@ -58,7 +61,9 @@ def explain(
     ``epilogue_ms`` / ``separate_ms``: the two routes, measured when choices are timed, -1 otherwise;
     ``keeps_preactivation``; ``preactivation_output``: the graph writes the pre-activation too), ``graph_outputs``
     (what the graph writes: ``["output"]``, or ``["output", "preactivation"]``), ``cached`` and
-    ``plan_build_seconds``. Builds and caches the plan if needed, exactly as the call would; on CUDA that may run the
+    ``plan_build_seconds``; ``batch_parts`` (``samples``, ``count``) when the call's input or output passes
+    2^31 - 1 elements and it runs in parts of the batch that fit cuDNN's 32-bit indexing (the other keys then
+    describe the first part). Builds and caches the plan if needed, exactly as the call would; on CUDA that may run the
     convolution a few times to time candidates.
 
     ``for_backward=True`` explains the call as autograd makes it when a gradient is needed: gelu, gelu_tanh, silu and
@@ -116,7 +121,12 @@ def explain_param_grad(
     ``weight_grad``: ``path`` (``cudnn graph``: a cuDNN conv_wgrad graph; ``aten``: ATen's weight gradient,
     nn.Conv2d's own) with ``notes`` saying why, and for channels_last tensors ``problem``, ``cached``,
     ``plan_build_seconds``, ``graph_ms`` / ``aten_ms`` (both measured once per key when timing is allowed, the
-    faster kept; -1 when not measured) and ``engine`` as in :func:`explain`. ``bias_grad``: ``way`` (``kernel``:
+    faster kept; -1 when not measured), ``padded_channels`` (the input channel count the gradient ran with on a
+    zero-padded copy of the input, ``TORCH_CONVBIAS_PAD_CHANNELS``; null when as it is) with ``padded_ms`` / ``as_is_ms``
+    (the two ways, when measured), ``engine`` as in :func:`explain`, and ``batch_parts`` as there (the parts' weight
+    gradients summed, in FP32 for half-precision weights). ``input_grad``: the path, problem, timings, notes and engine for the input gradient that autograd computes when the input requires grad (``cudnn graph``: a
+    conv_dgrad graph, only under ``TORCH_CONVBIAS_INPUT_GRAD=timed`` with choices timed and where it measured faster,
+    or wherever it builds under ``TORCH_CONVBIAS_INPUT_GRAD=graph``; ``aten``). ``bias_grad``: ``way`` (``kernel``:
     ours; ``cudnn``: a reduction graph; ``aten``: ATen's sum), ``notes`` and, for the kernel, ``launch``
     (``blocks_per_sm``, ``loads_in_flight``, ``bands``: ``contiguous`` or ``interleaved``, ``timed``). ``math``: the flags that select engines. Builds and caches
     plans exactly as the call would; on CUDA that may run the gradients a few times to time candidates.
@@ -169,9 +179,43 @@ def explain_activation_backward(
     )
 
 
+def explain_input_grad_activation(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    saved: torch.Tensor,
+    activation: str,
+    negative_slope: float = 0.01,
+    stride: int | tuple[int, int] = 1,
+    padding: int | tuple[int, int] = 0,
+    dilation: int | tuple[int, int] = 1,
+    groups: int = 1,
+) -> dict[str, Any]:
+    """How ``torch.ops.convbias._input_grad_activation`` computes a layer's input gradient times the derivative of
+    the activation below (``saved``: what that activation's backward keeps, of ``input``'s shape) and its bias
+    gradient; the convbias backend puts that op into backward graphs where our input gradient feeds our activation
+    backward.
+
+    Keys: ``path`` (``cudnn graph``: one conv_dgrad graph with the activation's derivative in it, then the bias
+    gradient; ``separate``: the input gradient as :func:`explain_param_grad`'s ``input_grad`` says, then the
+    activation's backward as :func:`explain_activation_backward` says); ``activation``, ``derivative_from``,
+    ``notes`` (why); when a plan was looked up ``problem``, ``cached``, ``plan_build_seconds``, ``graph_ms`` and
+    ``separate_ms`` (both ways timed once per shape, bias gradient included; -1 when not measured) and ``engine``
+    for the graph; on CUDA ``math``. The graph is tried only under ``TORCH_CONVBIAS_INPUT_GRAD=timed`` with choices
+    timed (building the plan may run both ways a few times, exactly as the call would), or taken unmeasured wherever
+    it builds under ``TORCH_CONVBIAS_INPUT_GRAD=graph``.
+    """
+    conv_args = (_pair("stride", stride), _pair("padding", padding), _pair("dilation", dilation), groups)
+    return json.loads(
+        torch.ops.convbias._explain_input_grad_activation(
+            grad_output, input, weight, *conv_args, saved, activation, float(negative_slope)
+        )
+    )
+
+
 def cache_info() -> dict[str, float]:
     """Plan cache statistics: hits, misses, evictions, size (= forward_plans + weight_grad_plans +
-    bias_grad_plans), capacity (TORCH_CONVBIAS_CACHE_SIZE, per kind of plan), build_seconds (time spent
+    input_grad_plans + input_grad_activation_plans + bias_grad_plans), capacity (TORCH_CONVBIAS_CACHE_SIZE, per kind of plan), build_seconds (time spent
     building and timing plans, or loading them from disk), workspace_fallbacks (calls that ran a lower-workspace
     plan because their plan's workspace could not be allocated), and the persistent plan cache's counters
     (TORCH_CONVBIAS_PLAN_CACHE_DIR): disk_enabled, disk_hits (plans loaded instead of built), disk_misses (no

@@ -7,7 +7,8 @@ what torch.compile and autograd need:
 * fake kernels (``torch.library.register_fake``) giving the output's shape, dtype, device and memory format (also of
   ``convbias::_activation_backward``, the activation's derivative fused with the bias gradient, and of
   ``convbias::_forward_with_preactivation``, the output with the pre-activation, both of which the autograd of
-  forward calls, and of ``convbias::forward_residual``, a residual block's ending);
+  forward calls, of ``convbias::forward_residual``, a residual block's ending, and of
+  ``convbias::_input_grad_activation``, which the convbias backend puts into backward graphs);
 * ``setup_context``/``backward`` for :class:`torch_convbias.ConvBiasFunction`.
 
 The autograd of the ops is registered in C++ (``csrc/autograd.cpp``, no Python per call): forward's (and
@@ -120,6 +121,23 @@ def _param_grad_fake(
     return grad_weight, grad_bias
 
 
+@torch.library.register_fake("convbias::_input_grad")
+def _input_grad_fake(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    """grad_input: input's shape and dtype, in the memory format F.conv2d gives its output for input and weight."""
+    _validation.check_param_grad_args(grad_output, input, weight, stride, padding, dilation, groups)
+    return torch.empty(
+        input.shape, dtype=input.dtype, device=input.device, memory_format=_validation.output_memory_format(input, weight)
+    )
+
+
 @torch.library.register_fake("convbias::_activation_backward")
 def _activation_backward_fake(
     grad_output: torch.Tensor,
@@ -139,6 +157,31 @@ def _activation_backward_fake(
     )
     grad_bias = grad_output.new_empty((grad_output.shape[1],)) if bias_grad else None
     return grad_z, grad_bias
+
+
+@torch.library.register_fake("convbias::_input_grad_activation")
+def _input_grad_activation_fake(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    saved: torch.Tensor,
+    activation: str,
+    negative_slope: float,
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What ``_activation_backward(_input_grad(grad_output, input, weight, ...), saved, ...)`` gives: grad_z of
+    input's shape and dtype, channels_last when the input gradient (F.conv2d's rule) or saved is; grad_bias [C]."""
+    _validation.check_input_grad_activation_args(
+        grad_output, input, weight, stride, padding, dilation, groups, saved, activation, negative_slope
+    )
+    grad_input = torch.empty(
+        input.shape, dtype=input.dtype, device=input.device, memory_format=_validation.output_memory_format(input, weight)
+    )
+    return _activation_backward_fake(grad_input, saved, activation, negative_slope, bias_grad)
 
 
 def _input_stand_in(input: torch.Tensor) -> torch.Tensor:
@@ -170,8 +213,11 @@ def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, 
     stride, padding, dilation, groups = ctx.conv_params
     needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
     grad_input = grad_weight = grad_bias = None
-    if needs_input:
-        # On the CPU 16-bit problems run in float32, rounded once, as the C++ autograd does.
+    if needs_input and not torch.is_grad_enabled():
+        grad_input = torch.ops.convbias._input_grad(grad_output, input, weight, stride, padding, dilation, groups)
+    elif needs_input:
+        # create_graph=True: ATen's differentiable convolution backward, as the C++ autograd does (on the CPU 16-bit
+        # problems in float32, rounded once).
         grad_input = torch.ops.aten.convolution_backward(
             _cpu_computable(grad_output),
             _cpu_computable(input),

@@ -239,6 +239,23 @@ std::string explain_residual_cpu(
       .dump();
 }
 
+at::Tensor input_grad_reference(
+    const at::Tensor& grad_output,
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups) {
+  check_param_grad_args(grad_output, input, weight, stride, padding, dilation, groups);
+  const at::Tensor grad_input = std::get<0>(at::convolution_backward(
+      cpu_computable(grad_output), cpu_computable(input), cpu_computable(weight), std::nullopt, stride, padding,
+      effective_dilation(weight, dilation), /*transposed=*/false, /*output_padding=*/{0, 0}, groups,
+      {true, false, false}));
+  // The layout ATen's backends give it (and the fake kernel says): F.conv2d's output rule, input and weight.
+  return with_layout(grad_input.to(input.scalar_type()), output_memory_format(input, weight));
+}
+
 std::string explain_param_grad_cpu(
     const at::Tensor& grad_output,
     const at::Tensor& input,
@@ -251,7 +268,8 @@ std::string explain_param_grad_cpu(
   const std::string why = "CPU tensors run ATen's convolution backward (the reference path)";
   return Json{
       {"weight_grad", {{"path", "aten"}, {"notes", Json::array({why})}}},
-      {"bias_grad", {{"way", "aten"}, {"notes", Json::array({why})}}}}
+      {"bias_grad", {{"way", "aten"}, {"notes", Json::array({why})}}},
+      {"input_grad", {{"path", "aten"}, {"notes", Json::array({why})}}}}
       .dump();
 }
 
@@ -260,6 +278,7 @@ TORCH_LIBRARY_IMPL(convbias, CPU, m) {
   m.impl("forward_residual", &forward_residual_cpu);
   m.impl("_forward_with_preactivation", &forward_with_preactivation_cpu);
   m.impl("param_grad", &param_grad_reference);
+  m.impl("_input_grad", &input_grad_reference);
   m.impl("_explain", &explain_cpu);
   m.impl("_explain_residual", &explain_residual_cpu);
   m.impl("_explain_param_grad", &explain_param_grad_cpu);

@@ -10,12 +10,16 @@
 #include "activation.h"
 #include "conv_args.h"
 #include "cuda/activation_backward.h"
+#include "cuda/batch_parts.h"
 #include "cuda/bias_activation.h"
 #include "cuda/forward_setup.h"
 #include "cuda/bias_grad.h"
 #include "cuda/bias_reduction.h"
 #include "cuda/epilogue.h"
+#include "cuda/pad_channels.h"
 #include "cuda/plan_store.h"
+#include "cuda/dgrad.h"
+#include "cuda/dgrad_activation.h"
 #include "cuda/wgrad.h"
 #include "json.h"
 
@@ -47,6 +51,16 @@ std::string layout_name(const cuda::PreparedForward& prepared, const cuda::Fprop
     return "nchw via channels_last copies";
   }
   return plan.path == cuda::FpropPath::Aten ? "nchw (aten)" : "nchw graph";
+}
+
+// The input channel count the convolution ran with when the plan pads the channels (the padded-channels way, taken
+// directly or by the channels_last plan behind NCHW copies), else null.
+Json padded_channels_json(const cuda::PreparedForward& prepared, const cuda::FpropPlan& plan) {
+  // (A plan via channels_last copies is a copy of the channels_last plan, its via_padded_channels included.)
+  if (plan.via_channels_last) {
+    return plan.via_channels_last->via_padded_channels ? Json(prepared.problem.as_channels_last().padded_channels()) : Json();
+  }
+  return plan.via_padded_channels ? Json(prepared.problem.padded_channels()) : Json();
 }
 
 Json engine_json(const cuda::EngineChoice& e) {
@@ -152,6 +166,28 @@ Json graph_outputs_json(const cuda::FpropPlan& plan) {
   return plan.preactivation_output ? Json::array({"output", "preactivation"}) : Json::array({"output"});
 }
 
+// A gradient route's explanation (weight or input gradient): ATen and why, or the plan chosen (a cuDNN graph, or
+// ATen's kernel where it measured faster) with both measurements and the engine.
+template <typename Route>
+Json gradient_route_json(const Route& route) {
+  if (route.aten_reason) {
+    return {{"path", "aten"}, {"notes", Json::array({*route.aten_reason})}};
+  }
+  const cuda::GradGraphPlan& plan = *route.plan;
+  Json j{
+      {"path", route.runs_graph() ? "cudnn graph" : "aten"},
+      {"problem", route.problem.describe()},
+      {"cached", route.was_cached},
+      {"plan_build_seconds", route.build_seconds},
+      {"graph_ms", number(plan.graph_ms)},
+      {"aten_ms", number(plan.aten_ms)},
+      {"notes", plan.notes}};
+  if (plan.graph) {
+    j["engine"] = engine_json(plan.engine);
+  }
+  return j;
+}
+
 std::string explain_param_grad_cuda(
     const at::Tensor& grad_output,
     const at::Tensor& input,
@@ -162,25 +198,30 @@ std::string explain_param_grad_cuda(
     int64_t groups) {
   const ConvParams params = check_param_grad_args(grad_output, input, weight, stride, padding, dilation, groups);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  Json weight_grad;
-  const cuda::WeightGradRoute route = cuda::route_weight_grad(grad_output, input, weight, params);
-  if (route.aten_reason) {
-    weight_grad = {{"path", "aten"}, {"notes", Json::array({*route.aten_reason})}};
-  } else {
-    const cuda::WgradPlan& plan = *route.plan;
-    weight_grad = {
-        {"path", route.runs_graph() ? "cudnn graph" : "aten"},
-        {"problem", route.problem.describe()},
-        {"cached", route.was_cached},
-        {"plan_build_seconds", route.build_seconds},
-        {"graph_ms", number(plan.graph_ms)},
-        {"aten_ms", number(plan.aten_ms)},
-        {"notes", plan.notes}};
-    if (plan.graph) {
-      weight_grad["engine"] = engine_json(plan.engine);
-    }
+  // A batch run in parts (batch_parts.h) is explained by its first part.
+  const auto part = cuda::batch_part_size(input, weight, grad_output.numel());
+  const at::Tensor first_dy = part ? grad_output.narrow(0, 0, *part) : grad_output;
+  const at::Tensor first_x = part ? input.narrow(0, 0, *part) : input;
+  const cuda::WeightGradRoute weight_route = cuda::route_weight_grad(first_dy, first_x, weight, params);
+  Json weight_grad = gradient_route_json(weight_route);
+  if (!weight_route.aten_reason) {
+    // The weight gradient alone may run on zero-padded input channels (pad_channels.h).
+    const cuda::WgradPlan& plan = *weight_route.plan;
+    weight_grad["padded_channels"] = plan.via_padded_channels ? Json(weight_route.problem.padded_channels()) : Json();
+    weight_grad["padded_ms"] = number(plan.padded_ms);
+    weight_grad["as_is_ms"] = number(plan.as_is_ms);
   }
-  return Json{{"math", math_json()}, {"weight_grad", weight_grad}, {"bias_grad", bias_grad_json(grad_output)}}.dump();
+  if (part) {
+    weight_grad["notes"].insert(weight_grad["notes"].begin(), cuda::batch_parts_note(input.size(0), *part));
+    weight_grad["batch_parts"] = {{"samples", *part}, {"count", (input.size(0) + *part - 1) / *part}};
+  }
+  const Json input_grad = gradient_route_json(cuda::route_input_grad(grad_output, input, weight, params));
+  return Json{
+      {"math", math_json()},
+      {"weight_grad", weight_grad},
+      {"bias_grad", bias_grad_json(grad_output)},
+      {"input_grad", input_grad}}
+      .dump();
 }
 
 // How _activation_backward computes grad_z and grad_bias: "fused kernel" (with its launch) or "aten" with the notes
@@ -214,8 +255,48 @@ std::string explain_activation_backward_cuda(
   return out.dump();
 }
 
-std::string explain_cuda(
+// How _input_grad_activation computes its results: "cudnn graph" (conv_dgrad with the derivative in it) or
+// "separate" (the input gradient's route, then _activation_backward's way), why, and what was measured.
+std::string explain_input_grad_activation_cuda(
+    const at::Tensor& grad_output,
     const at::Tensor& input,
+    const at::Tensor& weight,
+    at::IntArrayRef stride,
+    at::IntArrayRef padding,
+    at::IntArrayRef dilation,
+    int64_t groups,
+    const at::Tensor& saved,
+    c10::string_view activation,
+    double negative_slope) {
+  const auto [params, spec] = check_input_grad_activation_call(
+      grad_output, input, weight, stride, padding, dilation, groups, saved, activation, negative_slope);
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  const cuda::InputGradActivationRoute route =
+      cuda::route_input_grad_activation(grad_output, input, weight, params, saved, spec);
+  Json out{
+      {"math", math_json()},
+      {"activation", activation_name(spec.kind)},
+      {"derivative_from", derivative_source_name(spec)},
+      {"path", route.runs_graph() ? "cudnn graph" : "separate"}};
+  if (route.separate_reason) {
+    out["notes"] = Json::array({*route.separate_reason});
+    return out.dump();
+  }
+  const cuda::DgradActivationPlan& plan = *route.plan;
+  out["problem"] = route.problem.describe();
+  out["cached"] = route.was_cached;
+  out["plan_build_seconds"] = route.build_seconds;
+  out["graph_ms"] = number(plan.graph_ms);
+  out["separate_ms"] = number(plan.aten_ms);
+  out["notes"] = plan.notes;
+  if (plan.graph) {
+    out["engine"] = engine_json(plan.engine);
+  }
+  return out.dump();
+}
+
+std::string explain_cuda(
+    const at::Tensor& whole_input,
     const at::Tensor& weight,
     const std::optional<at::Tensor>& bias,
     at::IntArrayRef stride,
@@ -226,11 +307,17 @@ std::string explain_cuda(
     double negative_slope,
     bool for_backward) {
   const auto [params, spec] =
-      check_forward_call(input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
-  const c10::cuda::CUDAGuard device_guard(input.device());
+      check_forward_call(whole_input, weight, bias, stride, padding, dilation, groups, activation, negative_slope);
+  const c10::cuda::CUDAGuard device_guard(whole_input.device());
   Json out{{"math", math_json()}};
   // Under autograd, forward runs _forward_with_preactivation for these activations (csrc/autograd.cpp).
   const bool keeps = for_backward && !spec.is_identity() && !spec.backward_from_output();
+  // A batch run in parts (batch_parts.h) is explained by its first part.
+  const auto part = cuda::batch_part_size(whole_input, weight, cuda::output_numel(whole_input, weight, params));
+  const at::Tensor input = part ? whole_input.narrow(0, 0, *part) : whole_input;
+  if (part) {
+    out["batch_parts"] = {{"samples", *part}, {"count", (whole_input.size(0) + *part - 1) / *part}};
+  }
   const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params, spec, keeps);
   if (route.aten_reason) {
     out["path"] = "aten";
@@ -248,6 +335,7 @@ std::string explain_cuda(
       {"converted_input", prepared.converted_input},
       {"layout_timings", timings_json(plan->layout_timings)},
       {"realigned", prepared.realigned},
+      {"padded_channels", padded_channels_json(prepared, *plan)},
       {"output", output_memory_format(input, weight) == at::MemoryFormat::ChannelsLast ? "channels_last" : "NCHW"},
       {"cached", route.was_cached},
       {"plan_build_seconds", route.build_seconds},
@@ -265,6 +353,9 @@ std::string explain_cuda(
       {"notes", plan->notes}});
   if (plan->path != cuda::FpropPath::Aten) {
     out["engine"] = engine_json(plan->engine);
+  }
+  if (part) {
+    out["notes"].insert(out["notes"].begin(), cuda::batch_parts_note(whole_input.size(0), *part));
   }
   return out.dump();
 }
@@ -358,15 +449,22 @@ void inject_aten_preferences(int64_t count) {
   cuda::inject_aten_preferences(count);
 }
 
+void inject_padded_way_failures(int64_t count, bool out_of_memory) {
+  cuda::inject_padded_way_failures(count, out_of_memory);
+}
+
 std::string plan_cache_stats() {
   // Forward and weight-gradient plans live in two caches of the same capacity (each); reported together.
   cuda::CacheStats s = cuda::fprop_cache().eager.stats();
   const cuda::CacheStats forward = s;
   const cuda::CacheStats w = cuda::wgrad_cache().eager.stats();
-  const int64_t capture_plans = cuda::fprop_cache().capture.stats().size + cuda::wgrad_cache().capture.stats().size;
+  const cuda::CacheStats d = cuda::dgrad_cache().eager.stats();
+  const cuda::CacheStats da = cuda::dgrad_activation_cache().eager.stats();
+  const int64_t capture_plans = cuda::fprop_cache().capture.stats().size + cuda::wgrad_cache().capture.stats().size +
+      cuda::dgrad_cache().capture.stats().size + cuda::dgrad_activation_cache().capture.stats().size;
   const cuda::CacheStats r = cuda::bias_reduction_cache_stats();
   const cuda::plan_store::StoreStats disk = cuda::plan_store::stats();
-  for (const cuda::CacheStats* other : {&w, &r}) {
+  for (const cuda::CacheStats* other : {&w, &d, &da, &r}) {
     s.hits += other->hits;
     s.misses += other->misses;
     s.evictions += other->evictions;
@@ -380,6 +478,8 @@ std::string plan_cache_stats() {
       {"size", s.size},
       {"forward_plans", forward.size},
       {"weight_grad_plans", w.size},
+      {"input_grad_plans", d.size},
+      {"input_grad_activation_plans", da.size},
       {"bias_grad_plans", r.size},
       {"capture_plans", capture_plans},
       {"capacity", s.capacity},
@@ -397,6 +497,8 @@ std::string plan_cache_stats() {
 void plan_cache_clear() {
   cuda::fprop_cache().clear();
   cuda::wgrad_cache().clear();
+  cuda::dgrad_cache().clear();
+  cuda::dgrad_activation_cache().clear();
   cuda::bias_reduction_cache_clear();
 }
 
@@ -405,6 +507,7 @@ TORCH_LIBRARY_IMPL(convbias, CUDA, m) {
   m.impl("_explain_residual", &explain_residual_cuda);
   m.impl("_explain_param_grad", &explain_param_grad_cuda);
   m.impl("_explain_activation_backward", &explain_activation_backward_cuda);
+  m.impl("_explain_input_grad_activation", &explain_input_grad_activation_cuda);
 }
 
 } // namespace convbias

@@ -51,6 +51,28 @@ fe::graph::Pointwise_attributes epilogue_attributes(const ActivationSpec& activa
   return attributes;
 }
 
+std::optional<fe::graph::Pointwise_attributes> derivative_attributes(const ActivationSpec& activation) {
+  fe::PointwiseMode_t mode;
+  switch (activation.kind) {
+    case Activation::Relu:
+    case Activation::LeakyRelu: mode = fe::PointwiseMode_t::RELU_BWD; break;
+    case Activation::Gelu: mode = fe::PointwiseMode_t::GELU_BWD; break;
+    case Activation::GeluTanh: mode = fe::PointwiseMode_t::GELU_APPROX_TANH_BWD; break;
+    case Activation::Silu: mode = fe::PointwiseMode_t::SWISH_BWD; break;
+    default: return std::nullopt;
+  }
+  auto attributes = fe::graph::Pointwise_attributes()
+                        .set_name(std::string("derivative_") + activation_name(activation.kind))
+                        .set_mode(mode)
+                        .set_compute_data_type(fe::DataType_t::FLOAT);
+  if (mode == fe::PointwiseMode_t::RELU_BWD) {
+    attributes.set_relu_lower_clip(0.0f).set_relu_lower_clip_slope(lower_clip_slope(activation));
+  } else if (mode == fe::PointwiseMode_t::SWISH_BWD) {
+    attributes.set_swish_beta(1.0f);
+  }
+  return attributes;
+}
+
 std::string epilogue_operation(const ActivationSpec& activation) {
   return operation_name(nlohmann::json(mode_of(activation.kind)).get<std::string>(), lower_clip_slope(activation));
 }

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "activation.h"
@@ -28,6 +29,13 @@ fe::graph::Pointwise_attributes epilogue_attributes(const ActivationSpec& activa
 // The operation list graph_operations() gives for that node, e.g. "RELU_FWD" or "RELU_FWD(lower_clip_slope=0.2)":
 // what a graph holding the epilogue must show (explain, and the plan store's check of a stored graph).
 std::string epilogue_operation(const ActivationSpec& activation);
+
+// The pointwise node of a backward graph computing grad * act'(saved), where `saved` is the tensor the backward keeps
+// (activation.h) and cuDNN's backward mode reads that same tensor: relu and leaky_relu (RELU_BWD with the slope: the
+// sign test reads the same on the output as on the pre-activation), gelu (GELU_BWD), gelu_tanh
+// (GELU_APPROX_TANH_BWD) and silu (SWISH_BWD, beta 1) from the pre-activation. nullopt for identity, and for sigmoid
+// and tanh, whose backward keeps the output while cuDNN's SIGMOID_BWD / TANH_BWD read the forward input.
+std::optional<fe::graph::Pointwise_attributes> derivative_attributes(const ActivationSpec& activation);
 
 // Test hook (convbias::_inject_epilogue_rejections): the next `count` graphs with an activation epilogue are refused
 // as if cuDNN had rejected them, so that the fallback to the graph without it can be tested. 0 clears it.

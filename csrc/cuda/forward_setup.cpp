@@ -2,17 +2,18 @@
 
 #include <ATen/ATen.h>
 
+#include <c10/util/accumulate.h>
+
 #include <array>
 #include <limits>
 
 namespace convbias::cuda {
 
 int64_t output_numel(const at::Tensor& input, const at::Tensor& weight, const ConvParams& params) {
-  const std::array<int64_t, 4> dims = output_size(input, weight, params);
-  return dims[0] * dims[1] * dims[2] * dims[3];
+  return c10::multiply_integers(output_size(input, weight, params));
 }
 
-std::optional<std::string> aten_only_reason(const at::Tensor& input, const at::Tensor& weight, int64_t output_numel) {
+std::optional<std::string> aten_only_setting_reason(const at::Tensor& input, const at::Tensor& weight) {
   if (knobs().path == "aten") {
     return "TORCH_CONVBIAS_PATH=aten";
   }
@@ -25,9 +26,17 @@ std::optional<std::string> aten_only_reason(const at::Tensor& input, const at::T
   if (input.numel() == 0 || weight.numel() == 0) {
     return "empty tensor: nothing for cuDNN to run";
   }
+  return std::nullopt;
+}
+
+std::optional<std::string> aten_only_reason(const at::Tensor& input, const at::Tensor& weight, int64_t output_numel) {
+  if (auto reason = aten_only_setting_reason(input, weight)) {
+    return reason;
+  }
   constexpr int64_t int32_max = std::numeric_limits<int32_t>::max();
   if (input.numel() > int32_max || weight.numel() > int32_max || output_numel > int32_max) {
-    // cuDNN's engines index with 32 bits; ATen's convolution splits such a batch into parts that fit.
+    // cuDNN's engines index with 32 bits; ATen's convolution splits such a batch into parts that fit (forward and
+    // param_grad split it themselves first where they can: batch_parts.h).
     return "more than 2^31 - 1 elements in one tensor (input, weight or output)";
   }
   return std::nullopt;

@@ -17,6 +17,10 @@ namespace convbias::cuda {
 // input does not (N >= 1024 with more output than input channels).
 std::optional<std::string> aten_only_reason(const at::Tensor& input, const at::Tensor& weight, int64_t output_numel);
 
+// aten_only_reason without the element-count limit: the settings and tensors that send a call to ATen whatever its
+// size (a call only too large is split into parts of the batch instead, where it can be: batch_parts.h).
+std::optional<std::string> aten_only_setting_reason(const at::Tensor& input, const at::Tensor& weight);
+
 // The element count of the convolution's output for these arguments.
 int64_t output_numel(const at::Tensor& input, const at::Tensor& weight, const ConvParams& params);
 

@@ -9,6 +9,8 @@
 
 #include "cuda/bias_activation.h"
 #include "cuda/epilogue.h"
+#include "cuda/pad_channels.h"
+#include "cuda/padded_choice.h"
 #include "cuda/plan_store.h"
 #include "cuda/test_hook.h"
 #include "reference.h"
@@ -214,21 +216,37 @@ at::Tensor run_aten(
 
 namespace {
 
+// Whether the graph can write `out` as its output: defined, of the problem's shape, fully packed in its layout and
+// 16-byte aligned (what plans assume of the outputs they allocate).
+bool can_write_into(const at::Tensor& out, const FpropProblem& problem) {
+  const auto format = problem.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  return out.defined() && out.scalar_type() == problem.dtype && out.sizes() == at::IntArrayRef(problem.y_dims) &&
+      out.is_contiguous(format) && pointer_alignment(out) >= 16;
+}
+
 // (output, pre-activation) by `plan` on the current stream, in the problem's layout; the pre-activation is defined
 // exactly when the problem keeps it. What run_fprop and run_fprop_with_preactivation return, and what timed choices
 // measure, so that a keep_preactivation problem's routes are compared writing what the call writes.
 std::pair<at::Tensor, at::Tensor> run_plan(
     const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
-    const std::optional<at::Tensor>& b) {
+    const std::optional<at::Tensor>& b, const at::Tensor& out = at::Tensor()) {
   if (plan.via_channels_last) {
     constexpr auto cl = at::MemoryFormat::ChannelsLast;
     auto [y, z] = run_plan(*plan.via_channels_last, problem.as_channels_last(), x.contiguous(cl), w.contiguous(cl), b);
     return {y.contiguous(), z.defined() ? z.contiguous() : z};
   }
+  if (plan.via_padded_channels) {
+    // The output has the problem's own shape (only the reduction dimension grew, by zeros): `out` serves as it is.
+    const int64_t channels = problem.padded_channels();
+    TORCH_INTERNAL_ASSERT(channels > 0);
+    return run_plan(
+        *plan.via_padded_channels, problem.with_padded_channels(), pad_channels(x, channels), pad_channels(w, channels), b,
+        out);
+  }
   TORCH_INTERNAL_ASSERT(plan.path != FpropPath::Aten && plan.graph);
   TORCH_INTERNAL_ASSERT(!plan.activation_fused || plan.preactivation_output == problem.keep_preactivation);
   const GraphForm form = form_of(plan);
-  at::Tensor y = new_output(problem, x);
+  at::Tensor y = can_write_into(out, problem) ? out : new_output(problem, x);
   at::Tensor z = form.preactivation ? new_output(problem, x) : at::Tensor();
   auto pack = variant_pack(x, w, b, y, form.bias, z);
   execute_plan(*plan.graph, plan.engine, pack, x.options(), [&] {
@@ -584,10 +602,52 @@ std::shared_ptr<const FpropPlan> build_nchw_plan(
   return plan;
 }
 
+// A channels_last problem with padded_channels() runs as it is or on zero-padded copies of x and w: the padded
+// problem has 16-byte channel rows, which the fast and the fused engines need (pad_channels.h), at the price of the two
+// copies. Under timed choices both ways are measured, the copies included, and the faster kept; untimed, the problem
+// runs as it is (heuristics cannot weigh the copies), unless TORCH_CONVBIAS_PAD_CHANNELS=on (the padded way wherever
+// its graph builds) or off (never).
+std::shared_ptr<const FpropPlan> consider_padded_channels(
+    const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+    std::shared_ptr<FpropPlan> own) {
+  const int64_t channels = p.padded_channels();
+  if (!padded_way_tried(channels, p.flags, own->transient)) {
+    return own;
+  }
+  const FpropProblem q = p.with_padded_channels();
+  const std::string note = padded_way_note(p.x_dims[1], channels);
+  return padded_or_own<FpropPlan>(own, note, [&]() -> std::shared_ptr<const FpropPlan> {
+    const std::shared_ptr<const FpropPlan> padded =
+        fprop_plan(q, pad_channels(x, channels), pad_channels(w, channels), b);
+    if (padded->path == FpropPath::Aten) {
+      // ATen's convolution needs no copies of ours: on the padded problem it is no way of its own.
+      own->notes.push_back(
+          note + " not taken: that problem's plan is ATen's convolution (" +
+          (padded->aten_ms >= 0 ? "measured faster than its cuDNN graph" : "no cuDNN graph runs it") + ")");
+      return own;
+    }
+    // Both complete ways on these tensors, as calls run them: the padded one with its two copies.
+    return keep_padded_or_own<FpropPlan>(
+        own, padded, note,
+        [&] {
+          return time_on_stream([&] {
+            (void)(own->path == FpropPath::Aten ? run_aten(p, x, w, b) : run_plan(*own, p, x, w, b).first);
+          });
+        },
+        [&] {
+          return time_on_stream(
+              [&] { (void)run_plan(*padded, q, pad_channels(x, channels), pad_channels(w, channels), b); });
+        },
+        [](FpropPlan& plan, float own_ms, float padded_ms) {
+          plan.layout_timings = {{"as_is", own_ms}, {"padded_channels", padded_ms}};
+        });
+  });
+}
+
 std::shared_ptr<const FpropPlan> build_plan(
     const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   if (p.channels_last) {
-    return build_graph_path(p, x, w, b);
+    return consider_padded_channels(p, x, w, b, build_graph_path(p, x, w, b));
   }
   return build_nchw_plan(p, x, w, b);
 }
@@ -694,6 +754,7 @@ std::optional<plan_store::Json> plan_record(const FpropPlan& plan) {
   plan_store::Json r{
       {"path", path_name(plan.path)},
       {"via_channels_last", plan.via_channels_last != nullptr},
+      {"via_padded_channels", plan.via_padded_channels != nullptr},
       {"tuned", plan.tuned},
       {"fused_ms", plan.fused_ms},
       {"unfused_ms", plan.unfused_ms},
@@ -707,8 +768,8 @@ std::optional<plan_store::Json> plan_record(const FpropPlan& plan) {
       {"separate_activation_ms", plan.separate_activation_ms},
       {"preactivation_output", plan.preactivation_output},
       {"residual_fused", plan.residual_fused}};
-  // A plan run via channels_last copies stores its choice only: the channels_last plan is stored under its own key.
-  const bool own_graph = !plan.via_channels_last && plan.path != FpropPath::Aten;
+  // A plan run via channels_last or padded copies stores its choice only: the plan it runs is stored under its own key.
+  const bool own_graph = !plan.via_channels_last && !plan.via_padded_channels && plan.path != FpropPath::Aten;
   return plan_store::put_graph(r, own_graph ? plan.graph : nullptr, plan.engine) ? std::optional(r) : std::nullopt;
 }
 
@@ -748,6 +809,17 @@ std::shared_ptr<const FpropPlan> plan_from_record(
     auto via = fprop_plan(p.as_channels_last(), x.contiguous(cl), w.contiguous(cl), b);
     plan = std::make_shared<FpropPlan>(*via);
     plan->via_channels_last = via;
+  } else if (r.at("via_padded_channels").get<bool>()) {
+    const int64_t channels = p.padded_channels();
+    if (channels == 0) {
+      return nullptr;
+    }
+    auto via = fprop_plan(p.with_padded_channels(), pad_channels(x, channels), pad_channels(w, channels), b);
+    if (via->path == FpropPath::Aten) {
+      return nullptr;
+    }
+    plan = std::make_shared<FpropPlan>(*via);
+    plan->via_padded_channels = via;
   } else {
     plan = std::make_shared<FpropPlan>();
     plan->path = *found;
@@ -857,6 +929,23 @@ FpropProblem FpropProblem::as_channels_last() const {
   return p;
 }
 
+int64_t FpropProblem::padded_channels() const {
+  return channels_last && !has_residual
+      ? padded_channel_count(dtype, x_dims[1], params.groups, x_dims[0] * x_dims[2] * x_dims[3])
+      : 0;
+}
+
+FpropProblem FpropProblem::with_padded_channels() const {
+  const int64_t channels = padded_channels();
+  TORCH_INTERNAL_ASSERT(channels > 0);
+  FpropProblem p = *this;
+  p.x_dims[1] = channels;
+  p.w_dims[1] = channels;
+  p.alignments[0] = 16;
+  p.alignments[1] = 16;
+  return p;
+}
+
 PlanCaches<FpropPlan>& fprop_cache() {
   static PlanCaches<FpropPlan> caches(knobs().cache_size);
   return caches;
@@ -895,8 +984,8 @@ std::shared_ptr<const FpropPlan> fprop_plan(
 
 at::Tensor run_fprop(
     const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
-    const std::optional<at::Tensor>& b) {
-  return run_plan(plan, problem, x, w, b).first;
+    const std::optional<at::Tensor>& b, const at::Tensor& out) {
+  return run_plan(plan, problem, x, w, b, out).first;
 }
 
 std::shared_ptr<const FpropPlan> fprop_residual_plan(

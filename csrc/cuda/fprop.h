@@ -50,6 +50,11 @@ struct FpropProblem {
   PlanKey key() const;
   std::string describe() const; // shapes, layout, dtype, parameters and activation, for messages
   FpropProblem as_channels_last() const; // the same problem on channels_last copies (fresh, 16-byte aligned)
+  // The input channel count the problem runs with on zero-padded copies of x and w (pad_channels.h), or 0 where that
+  // way does not apply: channels_last, one group, no residual, float16 / bfloat16 / float32, and channel rows that
+  // are not 16-byte multiples.
+  int64_t padded_channels() const;
+  FpropProblem with_padded_channels() const; // the same problem on those copies (fresh, 16-byte aligned)
 };
 
 struct FpropPlan {
@@ -86,6 +91,11 @@ struct FpropPlan {
   // (and `path`/`engine` above are copied from it); `layout_timings` holds (way, ms) of each way measured.
   std::shared_ptr<const FpropPlan> via_channels_last;
   std::vector<std::pair<std::string, float>> layout_timings;
+  // Channels_last problems with padded_channels(): when the way over zero-padded copies of x and w was taken
+  // (measured faster than the problem as it is, the pads included, or TORCH_CONVBIAS_PAD_CHANNELS=on), the plan of
+  // the padded problem it runs (`path`/`engine` above copied from it); `layout_timings` then holds ("as_is", ms) and
+  // ("padded_channels", ms) where both were measured.
+  std::shared_ptr<const FpropPlan> via_padded_channels;
 };
 
 PlanCaches<FpropPlan>& fprop_cache();
@@ -131,10 +141,12 @@ void inject_aten_preferences(int64_t count);
 at::Tensor run_aten(
     const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
 
-// act(conv(x, w) + b) by `plan` on the current stream, in the problem's layout, into a new tensor (the activation in
-// the graph or applied after it). Not for the ATen path (run_aten).
+// act(conv(x, w) + b) by `plan` on the current stream, in the problem's layout (the activation in the graph or
+// applied after it). Into `out` where the graph can write it (of the problem's shape and layout, fully packed and
+// 16-byte aligned: a batch part's slice of the whole output, batch_parts.h), else into a new tensor: the caller
+// copies when the result is not `out`. Not for the ATen path (run_aten).
 at::Tensor run_fprop(
     const FpropPlan& plan, const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w,
-    const std::optional<at::Tensor>& b);
+    const std::optional<at::Tensor>& b, const at::Tensor& out = at::Tensor());
 
 } // namespace convbias::cuda

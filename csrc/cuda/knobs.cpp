@@ -47,6 +47,10 @@ const Knobs& knobs() {
     TORCH_CHECK_VALUE(
         result.param_grad == "aten" || result.param_grad == "cudnn",
         "TORCH_CONVBIAS_PARAM_GRAD must be aten or cudnn, got '", result.param_grad, "'");
+    result.input_grad = env_or("TORCH_CONVBIAS_INPUT_GRAD", "aten");
+    TORCH_CHECK_VALUE(
+        result.input_grad == "aten" || result.input_grad == "timed" || result.input_grad == "graph",
+        "TORCH_CONVBIAS_INPUT_GRAD must be aten, timed or graph, got '", result.input_grad, "'");
     result.bias_grad = env_or("TORCH_CONVBIAS_BIAS_GRAD", "kernel");
     TORCH_CHECK_VALUE(
         result.bias_grad == "kernel" || result.bias_grad == "cudnn" || result.bias_grad == "aten",
@@ -55,6 +59,10 @@ const Knobs& knobs() {
     TORCH_CHECK_VALUE(
         result.nchw == "auto" || result.nchw == "graph" || result.nchw == "copy" || result.nchw == "aten",
         "TORCH_CONVBIAS_NCHW must be auto, graph, copy or aten, got '", result.nchw, "'");
+    result.pad_channels = env_or("TORCH_CONVBIAS_PAD_CHANNELS", "auto");
+    TORCH_CHECK_VALUE(
+        result.pad_channels == "auto" || result.pad_channels == "on" || result.pad_channels == "off",
+        "TORCH_CONVBIAS_PAD_CHANNELS must be auto, on or off, got '", result.pad_channels, "'");
     const std::string fallback = env_or("TORCH_CONVBIAS_WORKSPACE_FALLBACK", "on");
     TORCH_CHECK_VALUE(
         fallback == "on" || fallback == "off", "TORCH_CONVBIAS_WORKSPACE_FALLBACK must be on or off, got '", fallback,

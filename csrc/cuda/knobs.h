@@ -16,8 +16,14 @@ struct Knobs {
   std::string activation;
   std::string autotune; // TORCH_CONVBIAS_AUTOTUNE: auto (follow cudnn.benchmark) | off | quick | on (math_flags.h)
   std::string param_grad; // TORCH_CONVBIAS_PARAM_GRAD: cudnn (conv_wgrad graph, default) | aten
+  // TORCH_CONVBIAS_INPUT_GRAD: aten (ATen's convolution backward, default until measured on the GPU) | timed (when
+  // choices are timed, a cuDNN conv_dgrad graph against ATen's, the faster kept; untimed: ATen's)
+  std::string input_grad;
   std::string bias_grad; // TORCH_CONVBIAS_BIAS_GRAD: kernel (ours, where it applies) | cudnn (reduction graph) | aten
   std::string nchw; // TORCH_CONVBIAS_NCHW: auto (measure) | graph | copy | aten: how NCHW tensors run
+  // TORCH_CONVBIAS_PAD_CHANNELS: auto (measured when choices are timed) | on | off: whether a forward whose input
+  // channels leave misaligned rows may run on zero-padded copies (pad_channels.h)
+  std::string pad_channels;
   bool workspace_fallback; // TORCH_CONVBIAS_WORKSPACE_FALLBACK: on (default) | off: raise when a workspace fails
   std::string plan_cache_dir; // TORCH_CONVBIAS_PLAN_CACHE_DIR: persistent plan cache directory ("" = none)
 };

@@ -39,7 +39,9 @@ namespace fs = std::filesystem;
 // 5: the residual (forward_residual) in forward keys, "residual_fused" in forward records.
 // 6: the routes behind forward records changed (16-bit activation passes after a graph are ours; "aten" with a bias and
 //    an activation is ATen's convolution + our bias and activation pass): choices timed before compared other routes.
-constexpr int64_t kFormatVersion = 6;
+// 7: "via_padded_channels" in forward and weight-gradient records (a plan run on zero-padded input channels; the
+//    weight gradient's also "padded_ms" / "as_is_ms"), the PAD_CHANNELS knob.
+constexpr int64_t kFormatVersion = 7;
 constexpr char kMagic[8] = {'C', 'V', 'B', 'P', 'L', 'A', 'N', '1'};
 
 std::atomic<int64_t> hit_count{0}, miss_count{0}, write_count{0}, reject_count{0};
@@ -76,9 +78,11 @@ Json knob_values() {
       {"path", k.path},
       {"activation", k.activation},
       {"nchw", k.nchw},
+      {"pad_channels", k.pad_channels},
       {"autotune", k.autotune},
       {"no_runtime_compilation", !k.allow_runtime_compiled},
       {"param_grad", k.param_grad},
+      {"input_grad", k.input_grad},
       {"bias_grad", k.bias_grad}};
 }
 

@@ -4,6 +4,8 @@
 
 #include "cuda/forward_setup.h"
 #include "cuda/knobs.h"
+#include "cuda/pad_channels.h"
+#include "cuda/padded_choice.h"
 #include "cuda/plan_store.h"
 
 #include <sstream>
@@ -32,7 +34,18 @@ VariantPack variant_pack(const at::Tensor& x, const at::Tensor& dy, const at::Te
   return {{kX, x.data_ptr()}, {kDY, dy.data_ptr()}, {kDW, dw.data_ptr()}};
 }
 
-std::shared_ptr<const WgradPlan> build_plan(
+// dw of the padded problem for `dw` ([K, C, R, S] channels_last): [K, channels, R, S] channels_last, uninitialised.
+at::Tensor padded_dw(const at::Tensor& dw, int64_t channels) {
+  return at::empty({dw.size(0), channels, dw.size(2), dw.size(3)}, dw.options().memory_format(at::MemoryFormat::ChannelsLast));
+}
+
+std::shared_ptr<const WgradPlan> wgrad_plan(
+    const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw, bool* was_cached,
+    double* build_seconds);
+
+// The plan for the problem as it is: the conv_wgrad graph, or ATen's weight gradient where no graph builds or (timed)
+// ATen measured faster.
+std::shared_ptr<WgradPlan> build_plan_as_is(
     const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw) {
   auto plan = std::make_shared<WgradPlan>();
   const SelectionPolicy policy = default_policy(p.dtype, p.flags);
@@ -73,51 +86,126 @@ std::shared_ptr<const WgradPlan> build_plan(
   return plan;
 }
 
-std::optional<plan_store::Json> plan_record(const WgradPlan& plan) {
-  plan_store::Json r{{"graph_ms", plan.graph_ms}, {"aten_ms", plan.aten_ms}, {"notes", plan.notes}};
-  return plan_store::put_graph(r, plan.graph, plan.engine) ? std::optional(r) : std::nullopt;
-}
-
-std::shared_ptr<const WgradPlan> plan_from_record(const plan_store::Json& r, const WgradProblem& p) {
-  auto plan = std::make_shared<WgradPlan>();
-  std::string why;
-  const plan_store::ExpectedTensors expected{
+plan_store::ExpectedTensors expected_tensors(const WgradProblem& p) {
+  return {
       {kX, {as_vector(p.x_dims), channels_last_strides(p.x_dims)}},
       {kDY, {as_vector(p.dy_dims), channels_last_strides(p.dy_dims)}},
       {kDW, {as_vector(p.w_dims), channels_last_strides(p.w_dims)}}};
-  if (!plan_store::take_graph(r, expected, plan->graph, plan->engine, &why)) {
-    return nullptr;
+}
+
+// As the forward's (fprop.cpp): a problem with padded_channels() also runs on a zero-padded copy of x into a padded
+// dw, the first C channels kept; under timed choices both ways are measured (the copies included) and the faster kept;
+// untimed, as it is; TORCH_CONVBIAS_PAD_CHANNELS=on / off: always (where its graph builds) / never.
+std::shared_ptr<const WgradPlan> consider_padded_channels(
+    const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw,
+    std::shared_ptr<WgradPlan> own) {
+  const int64_t channels = p.padded_channels();
+  if (!padded_way_tried(channels, p.flags, own->transient)) {
+    return own;
+  }
+  const std::string note = padded_way_note(p.x_dims[1], channels);
+  return padded_or_own<WgradPlan>(own, note, [&]() -> std::shared_ptr<const WgradPlan> {
+    const WgradProblem q = p.with_padded_channels();
+    const at::Tensor dw_padded = padded_dw(dw, channels);
+    const std::shared_ptr<const WgradPlan> padded = wgrad_plan(q, pad_channels(x, channels), dy, dw_padded, nullptr, nullptr);
+    if (!padded->graph) {
+      // ATen's weight gradient needs no copies of ours: on the padded problem it is no way of its own.
+      own->notes.push_back(
+          note + " not taken: that problem's plan is ATen's weight gradient (" +
+          (padded->aten_ms >= 0 ? "measured faster than its conv_wgrad graph" : "no conv_wgrad graph runs it") + ")");
+      return own;
+    }
+    // Both complete ways, as calls run them: the padded one with the copy of x and the copy out of the padded dw.
+    const ConvParams& c = p.params;
+    const auto time_own = [&] {
+      return time_on_stream([&] {
+        if (own->graph) {
+          VariantPack pack = variant_pack(x, dy, dw);
+          execute_plan(*own->graph, own->engine, pack, x.options(), [&] { return "conv_wgrad graph for " + p.describe(); });
+        } else {
+          (void)at::convolution_backward(
+              dy, x, dw, std::nullopt, c.stride, c.padding, c.dilation, /*transposed=*/false, {0, 0}, c.groups,
+              {false, true, false});
+        }
+      });
+    };
+    const auto time_padded = [&] {
+      return time_on_stream([&] {
+        const at::Tensor x_padded = pad_channels(x, channels); // alive while the graph runs
+        VariantPack pack = variant_pack(x_padded, dy, dw_padded);
+        execute_plan(*padded->graph, padded->engine, pack, x.options(), [&] { return "conv_wgrad graph for " + q.describe(); });
+        (void)with_layout(dw_padded.narrow(1, 0, p.w_dims[1]), at::MemoryFormat::ChannelsLast);
+      });
+    };
+    return keep_padded_or_own<WgradPlan>(
+        own, padded, note, time_own, time_padded, [](WgradPlan& plan, float own_ms, float padded_ms) {
+          plan.as_is_ms = own_ms;
+          plan.padded_ms = padded_ms;
+        });
+  });
+}
+
+std::shared_ptr<const WgradPlan> build_plan(
+    const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw) {
+  return consider_padded_channels(p, x, dy, dw, build_plan_as_is(p, x, dy, dw));
+}
+
+std::optional<plan_store::Json> plan_record(const WgradPlan& plan) {
+  plan_store::Json r{
+      {"graph_ms", plan.graph_ms}, {"aten_ms", plan.aten_ms}, {"notes", plan.notes},
+      {"via_padded_channels", plan.via_padded_channels != nullptr}, {"padded_ms", plan.padded_ms},
+      {"as_is_ms", plan.as_is_ms}};
+  // A plan run on padded copies stores its choice only: the padded problem's plan is stored under its own key.
+  return plan_store::put_graph(r, plan.via_padded_channels ? nullptr : plan.graph, plan.engine) ? std::optional(r)
+                                                                                                 : std::nullopt;
+}
+
+// The plan a record describes, or null when it does not fit (a padded choice looks up, loads or builds the padded
+// problem's plan on copies of these tensors).
+std::shared_ptr<const WgradPlan> plan_from_record(
+    const plan_store::Json& r, const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw) {
+  std::shared_ptr<WgradPlan> plan;
+  if (r.at("via_padded_channels").get<bool>()) {
+    const int64_t channels = p.padded_channels();
+    if (channels == 0) {
+      return nullptr;
+    }
+    auto via = wgrad_plan(p.with_padded_channels(), pad_channels(x, channels), dy, padded_dw(dw, channels), nullptr, nullptr);
+    if (!via->graph) {
+      return nullptr;
+    }
+    plan = std::make_shared<WgradPlan>(*via);
+    plan->via_padded_channels = via;
+  } else {
+    plan = std::make_shared<WgradPlan>();
+    std::string why;
+    if (!plan_store::take_graph(r, expected_tensors(p), plan->graph, plan->engine, &why)) {
+      return nullptr;
+    }
   }
   plan->timed = true;
   plan->graph_ms = r.at("graph_ms").get<float>();
   plan->aten_ms = r.at("aten_ms").get<float>();
+  plan->padded_ms = r.at("padded_ms").get<float>();
+  plan->as_is_ms = r.at("as_is_ms").get<float>();
   plan->notes = r.at("notes").get<std::vector<std::string>>();
   plan->notes.push_back("loaded from the persistent plan cache");
   return plan;
 }
 
+std::shared_ptr<const WgradPlan> wgrad_plan(
+    const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw, bool* was_cached,
+    double* build_seconds) {
+  return lookup_plan<WgradPlan>(
+      wgrad_cache(), "weight_grad", p.key(), requested_tuning(p.flags) != Tuning::Untimed,
+      [&](const plan_store::Json& r) { return plan_from_record(r, p, x, dy, dw); },
+      [&] { return build_plan(p, x, dy, dw); }, &plan_record, build_seconds, was_cached);
+}
+
 } // namespace
 
 PlanKey WgradProblem::key() const {
-  PlanKey key;
-  auto& f = key.fields;
-  f.reserve(36);
-  f.push_back(2); // graph kind: weight gradient
-  f.push_back(static_cast<int64_t>(dtype));
-  f.push_back(device); // fields[2]: the device (plan_store::load leaves it out)
-  for (const auto* dims : {&x_dims, &dy_dims, &w_dims}) {
-    f.insert(f.end(), dims->begin(), dims->end());
-  }
-  for (int d = 0; d < 2; ++d) {
-    f.push_back(params.stride[d]);
-    f.push_back(params.padding[d]);
-    f.push_back(params.dilation[d]);
-  }
-  f.insert(f.end(), alignments.begin(), alignments.end());
-  f.push_back(flags.allow_tf32 && dtype == at::kFloat);
-  f.push_back(flags.deterministic);
-  f.push_back(flags.benchmark);
-  return key;
+  return gradient_plan_key(/*kind=*/2, dtype, device, {x_dims, dy_dims, w_dims}, params, alignments, flags);
 }
 
 std::string WgradProblem::describe() const {
@@ -127,6 +215,21 @@ std::string WgradProblem::describe() const {
     << ", padding " << at::IntArrayRef(params.padding) << ", dilation " << at::IntArrayRef(params.dilation)
     << ", groups " << params.groups;
   return s.str();
+}
+
+int64_t WgradProblem::padded_channels() const {
+  return padded_channel_count(dtype, x_dims[1], params.groups, x_dims[0] * x_dims[2] * x_dims[3]);
+}
+
+WgradProblem WgradProblem::with_padded_channels() const {
+  const int64_t channels = padded_channels();
+  TORCH_INTERNAL_ASSERT(channels > 0);
+  WgradProblem p = *this;
+  p.x_dims[1] = channels;
+  p.w_dims[1] = channels;
+  p.alignments[0] = 16;
+  p.alignments[2] = 16;
+  return p;
 }
 
 PlanCaches<WgradPlan>& wgrad_cache() {
@@ -164,12 +267,12 @@ WeightGradRoute route_weight_grad(
   p.params = params;
   p.alignments = {pointer_alignment(route.x), pointer_alignment(route.dy), pointer_alignment(route.dw)};
   p.flags = current_math_flags();
-  const PlanKey key = p.key();
-  route.plan = lookup_plan<WgradPlan>(
-      wgrad_cache(), "weight_grad", key, requested_tuning(p.flags) != Tuning::Untimed,
-      [&](const plan_store::Json& r) { return plan_from_record(r, p); },
-      [&] { return build_plan(p, route.x, route.dy, route.dw); }, &plan_record, &route.build_seconds,
-      &route.was_cached);
+  route.plan = wgrad_plan(p, route.x, route.dy, route.dw, &route.was_cached, &route.build_seconds);
+  if (route.plan->via_padded_channels) {
+    const int64_t channels = p.padded_channels();
+    route.x = pad_channels(route.x, channels);
+    route.dw = padded_dw(route.dw, channels);
+  }
   return route;
 }
 
@@ -179,8 +282,9 @@ at::Tensor run_weight_grad(const WeightGradRoute& route, const at::Tensor& weigh
   execute_plan(*route.plan->graph, route.plan->engine, pack, route.x.options(), [&] {
     return "conv_wgrad graph for " + route.problem.describe();
   });
-  constexpr auto cl = at::MemoryFormat::ChannelsLast;
-  return with_layout(route.dw, memory_format_of(weight));
+  // On padded copies the gradient is the first C channels of the padded dw (the others belong to the zeros of x).
+  const at::Tensor dw = route.plan->via_padded_channels ? route.dw.narrow(1, 0, weight.size(1)) : route.dw;
+  return with_layout(dw, memory_format_of(weight));
 }
 
 } // namespace convbias::cuda

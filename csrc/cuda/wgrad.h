@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "conv_args.h"
+#include "cuda/grad_graph.h"
 #include "cuda/graph_common.h"
 #include "cuda/plan_lookup.h"
 
@@ -25,17 +26,15 @@ struct WgradProblem {
 
   PlanKey key() const;
   std::string describe() const;
+  // As FpropProblem's: the input channel count of the same problem on zero-padded copies of x (dw then has the
+  // padded channels too, the extra ones discarded), or 0 where that way does not apply (pad_channels.h).
+  int64_t padded_channels() const;
+  WgradProblem with_padded_channels() const; // on those copies (fresh, 16-byte aligned)
 };
 
-struct WgradPlan {
-  std::shared_ptr<fe::graph::Graph> graph; // null: no graph builds, the caller runs ATen
-  EngineChoice engine;
-  float graph_ms = -1; // measured, when timing was allowed: the chosen graph plan ...
-  float aten_ms = -1; // ... and ATen's weight gradient; the faster one is kept
-  std::vector<std::string> notes;
-  bool timed = false; // graph candidates and graph vs ATen were timed
-  bool transient = false; // ATen because no candidate's workspace could be allocated now: neither cached nor stored
-};
+// The weight gradient's plan: the conv_wgrad graph, or ATen's weight gradient where no graph builds or it measured
+// faster.
+using WgradPlan = GradGraphPlan;
 
 PlanCaches<WgradPlan>& wgrad_cache();
 
@@ -44,7 +43,9 @@ struct WeightGradRoute {
   // Set: ATen's weight gradient, for this reason, without trying a graph (NCHW tensors, float64, the knob, ...).
   std::optional<std::string> aten_reason;
   WgradProblem problem;
-  at::Tensor dy, x, dw; // channels_last and 16-byte aligned; dw allocated for the graph to write
+  // channels_last and 16-byte aligned; dw allocated for the graph to write. With the plan's via_padded_channels, x and
+  // dw have problem.padded_channels() channels (x zero-padded).
+  at::Tensor dy, x, dw;
   // The cached plan; without a graph in it ATen runs (no graph builds, or ATen was measured faster: see notes).
   std::shared_ptr<const WgradPlan> plan;
   bool was_cached = false;
