@@ -13,7 +13,8 @@
 #                    what a call to the GPU machine carries (default .carry): cuDNN frontend headers and a prebuild for
 #                    its Python 3.12 / torch 2.11.0+cu130 (see carry below for the call)
 #   ./dev.sh jobs DIR
-#                    the JOBS list of `gpu DIR jobs` (below) without setup, on a tree already built
+#                    the JOBS list of `gpu DIR jobs` (below) without setup, on a tree already built; groups of jobs
+#                    separated by `|` run side by side (run_streams)
 #   ./dev.sh stamp   print this tree's build stamp; ./dev.sh use-prebuilt: only the TORCH_CONVBIAS_PREBUILT step of
 #                    setup
 #   ./dev.sh gpu DIR [all|tests|bench|sanitize|jobs]
@@ -184,9 +185,14 @@ run_benches() {
 #   module:MODULE:ARGS:SECONDS             python -m MODULE ARGS --out <job dir> ('+' for a space), e.g.
 #                                          module:bench.bench_forward:--activation+relu+--shapes+2+5:120
 #   env:NAME=VALUE:0                       export NAME=VALUE for the jobs after it (e.g. env:TORCH_CONVBIAS_INPUT_GRAD=timed:0)
+# Groups of jobs separated by '|' run side by side as streams (run_streams).
 run_jobs() {
   local out=$1 spec kind rest seconds dir index=0 rc left status=0
   local budget=${BUDGET:-540}
+  if [[ "${JOBS:?JOBS lists the jobs: see dev.sh}" == *"|"* ]]; then
+    run_streams "$out"
+    return
+  fi
   mkdir -p "$out/jobs"
   : > "$out/jobs/summary.txt"
   for spec in ${JOBS:?JOBS lists the jobs: see dev.sh}; do
@@ -234,6 +240,34 @@ run_jobs() {
     echo "rc=$rc at ${SECONDS}s $spec: $(grep -v '^\s*$' "$dir/log.txt" | tail -1)" | tee -a "$out/jobs/summary.txt"
   done
   tar czf "$out/jobs.tgz" -C "$out" jobs && rm -rf "$out/jobs"
+  return $status
+}
+
+# JOBS="a b | c d": the groups between '|' run side by side, each a stream of its own (its own process, order and
+# BUDGET; an env: job holds for its stream only), for correctness tests, which do not mind sharing the GPU (benchmarks
+# and timed choices do: keep those in a run of their own). One DIR/jobs.tgz: jobs/stream<i>/<job>/log.txt and a
+# summary of every stream's jobs, each line prefixed with its stream.
+run_streams() {
+  local out=$1 i status=0
+  local -a streams pids=()
+  IFS='|' read -ra streams <<< "$JOBS"
+  for i in "${!streams[@]}"; do
+    JOBS=${streams[i]} "$0" jobs "$out/streams/$i" > /dev/null 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[i]}" || status=1
+  done
+  mkdir -p "$out/jobs"
+  : > "$out/jobs/summary.txt"
+  for i in "${!streams[@]}"; do
+    mkdir -p "$out/jobs/stream$i"
+    tar xzf "$out/streams/$i/jobs.tgz" -C "$out/jobs/stream$i" --strip-components=1
+    sed "s/^/stream $i: /" "$out/jobs/stream$i/summary.txt" >> "$out/jobs/summary.txt"
+    rm "$out/jobs/stream$i/summary.txt"
+  done
+  cat "$out/jobs/summary.txt"
+  tar czf "$out/jobs.tgz" -C "$out" jobs && rm -rf "$out/jobs" "$out/streams"
   return $status
 }
 

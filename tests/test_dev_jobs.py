@@ -51,3 +51,19 @@ def test_bad_specs_fail_their_job_and_the_run_but_not_the_others(tmp_path: Path)
     assert unknown.startswith("rc=2") and "unknown job kind 'nonsense'" in unknown, summary
     assert fine.startswith("rc=0"), summary
     assert too_long.startswith("skipped module:tests._env_probe:HOME:999 (needs 999s"), summary
+
+
+def test_streams_run_side_by_side_each_with_its_own_environment(tmp_path: Path) -> None:
+    """JOBS groups separated by '|' run as streams: an env: job holds for its stream only, a failing job fails the run,
+    and the one archive has every stream's logs and a summary whose lines say their stream."""
+    jobs = (
+        "env:TORCH_CONVBIAS_INPUT_GRAD=timed:0 module:tests._env_probe:TORCH_CONVBIAS_INPUT_GRAD:30 "
+        "| module:tests._env_probe:TORCH_CONVBIAS_INPUT_GRAD:30 nonsense:x:0"
+    )
+    status, summary, logs = run_jobs(jobs, tmp_path)
+    assert status != 0, summary
+    lines = summary.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["stream 0", "stream 0", "stream 1", "stream 1"], summary
+    assert lines[1].endswith("TORCH_CONVBIAS_INPUT_GRAD=timed") and lines[2].endswith("=<unset>"), summary
+    assert lines[3].startswith("stream 1: rc=2") and "unknown job kind 'nonsense'" in lines[3], summary
+    assert sorted({name.split("/")[1] for name in logs}) == ["stream0", "stream1"] and len(logs) == 4, logs
