@@ -2,7 +2,10 @@
 // torch_convbias.versions(), cache_info() and the doctor.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,5 +39,9 @@ void inject_aten_preferences(int64_t count);
 // Test hook: the next `count` tries of the padded-channels way fail before they run, as out of memory for the copies
 // (`out_of_memory`) or as another error would (0 clears it).
 void inject_padded_way_failures(int64_t count, bool out_of_memory);
+
+// How many samples each part of the batch takes when a call of this input, weight and output element count runs in
+// parts (cuda/batch_parts.h), or nullopt when it runs whole; device-independent (meta tensors work), for tests.
+std::optional<int64_t> batch_part_size(const at::Tensor& input, const at::Tensor& weight, int64_t output_numel);
 
 } // namespace convbias

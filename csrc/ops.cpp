@@ -107,6 +107,9 @@ TORCH_LIBRARY(convbias, m) {
   // out of memory for the copies (out_of_memory) or as another error would; the problem runs as it is. 0 clears it.
   m.def(
       "_inject_padded_way_failures(int count, bool out_of_memory) -> ()", &convbias::inject_padded_way_failures);
+  // The samples per part of a call run in parts of its batch (past cuDNN's 32-bit indexing), or None: for tests of
+  // the arithmetic on meta tensors.
+  m.def("_batch_part_size(Tensor input, Tensor weight, int output_numel) -> int?", &convbias::batch_part_size);
   // [cuDNN version compiled against, cuDNN version loaded at run time, cuDNN frontend version].
   m.def("_cudnn_versions() -> int[]", &convbias::cudnn_versions);
 }

@@ -137,3 +137,40 @@ def test_weight_and_bias_gradients_of_a_batch_past_the_limit_sum_the_parts(
     torch.testing.assert_close(
         grad_bias.float(), want_bias, rtol=tol, atol=tol * want_bias.abs().max().item()
     )
+
+
+def meta(*shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    return torch.empty(shape, device="meta", dtype=dtype)
+
+
+def part_size(input: torch.Tensor, weight: torch.Tensor, output_numel: int) -> int | None:
+    return torch.ops.convbias._batch_part_size(input, weight, output_numel)
+
+
+def test_batch_parts_fit_the_limit_and_are_balanced() -> None:
+    """The split's arithmetic, on meta tensors (nothing allocated): every part's input and output fit 2^31 - 1, parts
+    are as equal as possible (at most two sizes, so at most two plans), and only a call that needs parts gets them."""
+    limit = 2**31 - 1
+    w = meta(64, 3, 3, 3)
+    # N = 1024 RGB 224 x 224 images into 64 channels: the output (3.3e9) passes, the input (1.5e8) does not.
+    per_sample = 64 * 224 * 224
+    part = part_size(meta(1024, 3, 224, 224), w, 1024 * per_sample)
+    assert part is not None and part * per_sample <= limit
+    assert part == 512  # two equal parts, not 668 (the most that fit) + 356
+    # Balanced: 1025 samples run as 513 + 512 rather than 668 + 357; 1337 (past 2 x 668) as 446 + 446 + 445.
+    assert part_size(meta(1025, 3, 224, 224), w, 1025 * per_sample) == 513
+    assert part_size(meta(1337, 3, 224, 224), w, 1337 * per_sample) == 446
+    # The input side alone can ask for parts too: 786432 input elements per sample, 2730 samples fit.
+    assert part_size(meta(3000, 3, 512, 512), meta(1, 3, 1, 1), 3000 * 512 * 512) == 1500
+    assert part_size(meta(6, 8, 4096, 4096), meta(24, 8, 1, 1), 6 * 24 * 4096 * 4096) == 3
+
+
+def test_calls_that_fit_or_cannot_be_split_get_no_parts() -> None:
+    w = meta(9, 1, 1, 1)
+    assert part_size(meta(2, 1, 8192, 8192), w, 2 * 9 * 8192 * 8192) is None  # fits: 1.2e9
+    assert part_size(meta(1, 1, 16384, 16384), w, 9 * 16384 * 16384) is None  # one sample past the limit
+    assert part_size(meta(2, 1, 16384, 16384), w, 2 * 9 * 16384 * 16384) is None  # each sample past it
+    assert part_size(meta(4, 1, 4096, 4096), meta(2**31, 1, 1, 1), 4 * 2**31 * 4096 * 4096) is None  # the weight
+    # float64 runs ATen whatever its size (no cuDNN float64 graphs): nothing to split for.
+    x64 = meta(1024, 3, 224, 224, dtype=torch.float64)
+    assert part_size(x64, meta(64, 3, 3, 3, dtype=torch.float64), 1024 * 64 * 224 * 224) is None

@@ -453,6 +453,10 @@ void inject_padded_way_failures(int64_t count, bool out_of_memory) {
   cuda::inject_padded_way_failures(count, out_of_memory);
 }
 
+std::optional<int64_t> batch_part_size(const at::Tensor& input, const at::Tensor& weight, int64_t output_numel) {
+  return cuda::batch_part_size(input, weight, output_numel);
+}
+
 std::string plan_cache_stats() {
   // Forward and weight-gradient plans live in two caches of the same capacity (each); reported together.
   cuda::CacheStats s = cuda::fprop_cache().eager.stats();
