@@ -19,13 +19,13 @@ std::optional<int64_t> batch_part_size(const at::Tensor& input, const at::Tensor
     return std::nullopt;
   }
   const int64_t most = limit / per_sample; // samples in a part that fits
-  const int64_t parts = (batch + most - 1) / most;
-  return (batch + parts - 1) / parts;
+  const int64_t parts = batch_part_count(batch, most);
+  return (batch + parts - 1) / parts; // the part size that spreads the batch evenly over that many parts
 }
 
 std::string batch_parts_note(int64_t batch, int64_t part) {
   std::ostringstream note;
-  note << "the batch of " << batch << " runs in " << (batch + part - 1) / part << " parts of at most " << part
+  note << "the batch of " << batch << " runs in " << batch_part_count(batch, part) << " parts of at most " << part
        << " samples (the call's input or output passes 2^31 - 1 elements, the limit of cuDNN's 32-bit indexing); "
           "this describes the first part";
   return note.str();

@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -19,6 +20,19 @@ namespace convbias::cuda {
 // (aten_only_setting_reason). Parts are balanced, so a call has at most two part sizes,
 // hence at most two plans.
 std::optional<int64_t> batch_part_size(const at::Tensor& input, const at::Tensor& weight, int64_t output_numel);
+
+// How many parts a batch of `batch` samples runs in, in parts of `part`.
+inline int64_t batch_part_count(int64_t batch, int64_t part) {
+  return (batch + part - 1) / part;
+}
+
+// f(start, samples) for each part of a batch of `batch` samples, in order.
+template <typename F>
+void for_each_batch_part(int64_t batch, int64_t part, F&& f) {
+  for (int64_t start = 0; start < batch; start += part) {
+    f(start, std::min(part, batch - start));
+  }
+}
 
 // The note explain gives for a call run in parts of `part` samples.
 std::string batch_parts_note(int64_t batch, int64_t part);

@@ -56,14 +56,13 @@ at::Tensor forward_in_batch_parts(
     const ConvParams& params, const ActivationSpec& spec) {
   at::Tensor out = at::empty(
       output_size(input, weight, params), input.options().memory_format(output_memory_format(input, weight)));
-  for (int64_t start = 0; start < input.size(0); start += part) {
-    const int64_t samples = std::min(part, input.size(0) - start);
+  cuda::for_each_batch_part(input.size(0), part, [&](int64_t start, int64_t samples) {
     at::Tensor slice = out.narrow(0, start, samples);
     const at::Tensor written = forward_routed(input.narrow(0, start, samples), weight, bias, params, spec, slice);
     if (!written.is_same(slice)) {
       slice.copy_(written);
     }
-  }
+  });
   return out;
 }
 
@@ -139,13 +138,12 @@ std::tuple<at::Tensor, at::Tensor> forward_with_preactivation_in_batch_parts(
   const auto options = input.options().memory_format(output_memory_format(input, weight));
   at::Tensor out = at::empty(output_size(input, weight, params), options);
   at::Tensor z = at::empty(output_size(input, weight, params), options);
-  for (int64_t start = 0; start < input.size(0); start += part) {
-    const int64_t samples = std::min(part, input.size(0) - start);
+  cuda::for_each_batch_part(input.size(0), part, [&](int64_t start, int64_t samples) {
     const auto [part_out, part_z] =
         forward_with_preactivation_routed(input.narrow(0, start, samples), weight, bias, params, spec);
     out.narrow(0, start, samples).copy_(part_out);
     z.narrow(0, start, samples).copy_(part_z);
-  }
+  });
   return {std::move(out), std::move(z)};
 }
 
@@ -189,10 +187,9 @@ at::Tensor weight_grad_in_batch_parts(
     const ConvParams& params) {
   const bool half = weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kBFloat16;
   at::Tensor sum = at::zeros_like(weight, weight.options().dtype(half ? at::kFloat : weight.scalar_type()));
-  for (int64_t start = 0; start < input.size(0); start += part) {
-    const int64_t samples = std::min(part, input.size(0) - start);
+  cuda::for_each_batch_part(input.size(0), part, [&](int64_t start, int64_t samples) {
     sum.add_(weight_grad_routed(grad_output.narrow(0, start, samples), input.narrow(0, start, samples), weight, params));
-  }
+  });
   return half ? sum.to(weight.scalar_type()) : sum;
 }
 

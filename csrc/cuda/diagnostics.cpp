@@ -213,7 +213,7 @@ std::string explain_param_grad_cuda(
   }
   if (part) {
     weight_grad["notes"].insert(weight_grad["notes"].begin(), cuda::batch_parts_note(input.size(0), *part));
-    weight_grad["batch_parts"] = {{"samples", *part}, {"count", (input.size(0) + *part - 1) / *part}};
+    weight_grad["batch_parts"] = {{"samples", *part}, {"count", cuda::batch_part_count(input.size(0), *part)}};
   }
   const Json input_grad = gradient_route_json(cuda::route_input_grad(grad_output, input, weight, params));
   return Json{
@@ -316,7 +316,7 @@ std::string explain_cuda(
   const auto part = cuda::batch_part_size(whole_input, weight, cuda::output_numel(whole_input, weight, params));
   const at::Tensor input = part ? whole_input.narrow(0, 0, *part) : whole_input;
   if (part) {
-    out["batch_parts"] = {{"samples", *part}, {"count", (whole_input.size(0) + *part - 1) / *part}};
+    out["batch_parts"] = {{"samples", *part}, {"count", cuda::batch_part_count(whole_input.size(0), *part)}};
   }
   const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params, spec, keeps);
   if (route.aten_reason) {
