@@ -81,6 +81,20 @@ def test_a_batch_past_the_limit_runs_in_parts_and_matches() -> None:
 
 @cuda
 @torch.no_grad()
+def test_an_nchw_batch_past_the_limit_copies_its_parts_into_the_output() -> None:
+    """NCHW tensors: a part's plan may run via channels_last copies (or ATen), whose result is not the output's slice:
+    the part is copied into it (forward_in_batch_parts' other branch)."""
+    x, w, b = large_batch()
+    x, w = x.contiguous(), w.contiguous()
+    assert_parts(torch_convbias.explain(x, w, b), "NCHW forward")
+    y = torch.ops.convbias.forward(x, w, b, *CONV_ARGS)
+    assert y.is_contiguous() and y.shape == (6, 24, 4096, 4096)
+    for i in (0, 2, 3, 5):  # both edges of both parts
+        torch.testing.assert_close(y[i].float(), conv1x1_sample(x, w, b, i), rtol=1e-2, atol=1e-2, msg=f"sample {i}")
+
+
+@cuda
+@torch.no_grad()
 def test_a_batch_past_the_limit_keeps_its_preactivation_in_parts() -> None:
     """_forward_with_preactivation (autograd's forward for gelu): both outputs, every sample."""
     x, w, b = large_batch()

@@ -51,11 +51,9 @@ void launch(const at::Tensor& in, at::Tensor& out, int64_t in_row, int64_t out_r
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-} // namespace
-
-namespace {
 TestHookCountdown injected_padded_way_failures; // inject_padded_way_failures
 std::atomic<bool> injected_out_of_memory{false};
+
 } // namespace
 
 void inject_padded_way_failures(int64_t count, bool out_of_memory) {
