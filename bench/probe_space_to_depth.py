@@ -1,0 +1,239 @@
+"""Probe (issue 14): strided stems as stride-1 convolutions over space-to-depth inputs.
+
+A network's first convolution reads C=3 channels with a large kernel and stride (AlexNet: 11x11, stride 4; ResNet:
+7x7, stride 2). cuDNN runs it far below the GPU's rate (on the H100 at 690a2ff AlexNet's stem took 3.1 of its 7.5 ms
+TF32 inference, with an sm80 "indexed_wo_smem" kernel: `models-nvidia-h100-80gb-hbm3.json`), and zero-padding the
+channels to 16-byte rows measured slower still. The same convolution, exactly, is a stride-1 convolution of
+``C * sh * sw`` channels and a ``ceil(R / sh) x ceil(S / sw)`` kernel over the input regrouped into ``sh x sw``
+blocks (space-to-depth), with the weight regrouped alike (zeros where the kernel does not reach a whole block):
+
+    X[n, (c, a, b), i, j] = x_pad[n, c, sh*i + a, sw*j + b]        W'[k, (c, a, b), u, v] = w_pad[k, c, sh*u + a, sw*v + b]
+    conv(X, W', stride 1)[n, k, i, j] = sum x_pad[n, c, sh*i + r, sw*j + t] * w_pad[k, c, r, t] = conv(x, w, stride s)
+
+AlexNet's stem becomes 48 channels, 3x3 (1.19x the multiply-adds, the zeros); ResNet's 12 channels, 4x4 (1.31x).
+Whether that is faster on the GPU, with the regrouping's pass over the input counted, is what this measures before
+the op gets such a way. Per shape and mode, all with bias and ReLU (the stems' own):
+
+=================  ===============================================================================================
+aten               ``F.relu(F.conv2d(x, w, b, stride, padding))``: nn.Conv2d's computation
+ours               ``torch.ops.convbias.forward(x, w, b, ..., "relu")`` as it is
+ours_s2d           the input and weight regrouped (``space_to_depth_input``: a pad and a permuted copy, two passes
+                   where one kernel of the op would make one), then ``convbias.forward`` at stride 1
+ours_s2d_conv      ``convbias.forward`` on the regrouped tensors alone (what a one-pass regrouping leaves to add)
+aten_s2d_conv      ``F.relu(F.conv2d(...))`` on the regrouped tensors (whether ATen's cuDNN call gains as well)
+regroup            the input's regrouping alone
+ours_wgrad         ``convbias.param_grad`` of the stem as it is (a stem's input needs no gradient)
+ours_s2d_wgrad     ``convbias.param_grad`` of the regrouped problem (forward saved the regrouped input) and the
+                   weight gradient regrouped back (``weight_grad_from_space_to_depth``)
+=================  ===============================================================================================
+
+GPU time: each variant captured in a CUDA graph and the replays timed interleaved (``common.time_side_by_side``);
+beside it back-to-back rates of the calls themselves. Under ``cudnn.benchmark`` (every choice of ours timed, the
+padded-channels way included). Each forward and weight gradient is checked against the original problem computed in
+float64 (``common.check_against_float64``). Run on a GPU: ``python -m bench.probe_space_to_depth [--out DIR]``;
+``--device cpu --tiny`` is the CPU smoke test's (tests/test_probe_space_to_depth.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import common
+
+NAME = "space_to_depth"
+# (label, N, C, H=W, K, kernel, stride, padding)
+SHAPES = [
+    ("alexnet stem, inference batch", 1024, 3, 224, 64, 11, 4, 2),
+    ("alexnet stem, training batch", 512, 3, 224, 64, 11, 4, 2),
+    ("resnet50 stem", 256, 3, 224, 64, 7, 2, 3),
+    ("3x3 stride-2 stem (MobileNet, EfficientNet)", 512, 3, 224, 32, 3, 2, 1),
+]
+TINY = [("tiny 5x5 stride 2", 2, 3, 13, 4, 5, 2, 1), ("tiny 11x11 stride 4", 2, 3, 30, 4, 11, 4, 2)]
+FORWARD = ("aten", "ours", "ours_s2d", "ours_s2d_conv", "aten_s2d_conv", "regroup")
+WGRAD = ("ours_wgrad", "ours_s2d_wgrad")
+
+
+def regrouped_geometry(size: int, kernel: int, stride: int, padding: int) -> tuple[int, int, int]:
+    """(output size, kernel in blocks, padded input size) along one spatial dimension: the padded input spans exactly the
+    blocks the stride-1 convolution reads, ``stride * (out - 1 + blocks)`` elements from ``-padding`` on (more than
+    the input plus padding: zeros; fewer: rows no output reads, cropped)."""
+    out = (size + 2 * padding - kernel) // stride + 1
+    if out < 1:
+        raise ValueError(f"kernel {kernel} with padding {padding} does not fit an input of size {size}")
+    blocks = -(-kernel // stride)
+    return out, blocks, stride * (out - 1 + blocks)
+
+
+def _blocks_to_channels(t: torch.Tensor, sh: int, sw: int) -> torch.Tensor:
+    """[A, C, sh*P, sw*Q] -> channels_last [A, C*sh*sw, P, Q], channel (c, a, b) = element (sh*p + a, sw*q + b) of c."""
+    a, c, h, w = t.shape
+    blocks = t.reshape(a, c, h // sh, sh, w // sw, sw).permute(0, 1, 3, 5, 2, 4)
+    return blocks.reshape(a, c * sh * sw, h // sh, w // sw).contiguous(memory_format=torch.channels_last)
+
+
+def space_to_depth_input(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int]) -> torch.Tensor:
+    """The input of the stride-1 problem equal to ``conv2d(x, w, stride=stride, padding=padding)`` (module docstring)."""
+    (_, _, ph_total), (_, _, pw_total) = (
+        regrouped_geometry(x.shape[2], kernel[0], stride[0], padding[0]),
+        regrouped_geometry(x.shape[3], kernel[1], stride[1], padding[1]),
+    )
+    # F.pad's negative amounts crop: rows past the padded extent are read by no output.
+    padded = F.pad(x, (padding[1], pw_total - padding[1] - x.shape[3], padding[0], ph_total - padding[0] - x.shape[2]))
+    return _blocks_to_channels(padded, stride[0], stride[1])
+
+
+def space_to_depth_weight(w: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
+    """The weight of the stride-1 problem: ``w`` zero-padded to whole blocks, each block's elements made channels."""
+    (k, c, r, s), (sh, sw) = w.shape, stride
+    rb, sb = -(-r // sh), -(-s // sw)
+    return _blocks_to_channels(F.pad(w, (0, sb * sw - s, 0, rb * sh - r)), sh, sw)
+
+
+def weight_grad_from_space_to_depth(grad: torch.Tensor, kernel: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
+    """The original weight's gradient from the regrouped weight's: the regrouping undone, the padding's zeros dropped
+    (their gradient is no weight's)."""
+    k, cbb, rb, sb = grad.shape
+    (sh, sw), (r, s) = stride, kernel
+    c = cbb // (sh * sw)
+    whole = grad.reshape(k, c, sh, sw, rb, sb).permute(0, 1, 4, 2, 5, 3).reshape(k, c, rb * sh, sb * sw)
+    return whole[:, :, :r, :s].contiguous(memory_format=torch.channels_last)
+
+
+def say(*parts: object) -> None:
+    print(time.strftime("%H:%M:%S"), *parts, flush=True)
+
+
+def measure_row(shape: tuple[Any, ...], mode: common.Mode, args: argparse.Namespace) -> dict[str, Any]:
+    label, n, c, side, k, kernel, stride, padding = shape
+    device = args.device
+    kernels, strides, paddings, ones = [kernel, kernel], [stride, stride], [padding, padding], [1, 1]
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def draw(*size: int, scale: float = 1.0) -> torch.Tensor:
+        t = torch.randn(*size, generator=generator, device=device) * scale
+        return t.to(mode.dtype).contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t.to(mode.dtype)
+
+    out = regrouped_geometry(side, kernel, stride, padding)[0]
+    x, dy = draw(n, c, side, side), draw(n, k, out, out)
+    w = draw(k, c, kernel, kernel, scale=(c * kernel * kernel) ** -0.5)
+    b = draw(k)
+    xs, ws = space_to_depth_input(x, kernels, strides, paddings), space_to_depth_weight(w, strides)
+    row: dict[str, Any] = {"label": label, "mode": mode.name, "shape": list(shape[1:]),
+                           "regrouped": {"input": list(xs.shape), "weight": list(ws.shape)}}
+    forward = torch.ops.convbias.forward
+    param_grad = torch.ops.convbias.param_grad
+    fns: dict[str, Callable[[], Any]] = {
+        "aten": lambda: F.relu(F.conv2d(x, w, b, strides, paddings)),
+        "ours": lambda: forward(x, w, b, strides, paddings, ones, 1, "relu"),
+        "ours_s2d": lambda: forward(space_to_depth_input(x, kernels, strides, paddings), space_to_depth_weight(w, strides),
+                                    b, ones, [0, 0], ones, 1, "relu"),
+        "ours_s2d_conv": lambda: forward(xs, ws, b, ones, [0, 0], ones, 1, "relu"),
+        "aten_s2d_conv": lambda: F.relu(F.conv2d(xs, ws, b)),
+        "regroup": lambda: space_to_depth_input(x, kernels, strides, paddings),
+        "ours_wgrad": lambda: param_grad(dy, x, w, strides, paddings, ones, 1, [True, True]),
+        "ours_s2d_wgrad": lambda: _regrouped_wgrad(param_grad(dy, xs, ws, ones, [0, 0], ones, 1, [True, True]), kernels, strides),
+    }
+    with torch.no_grad():
+        x64, w64, b64, dy64 = x.double(), w.double(), b.double(), dy.double()
+        expected = F.relu(F.conv2d(x64, w64, b64, strides, paddings))
+        with torch.enable_grad():
+            w64.requires_grad_()
+            z = F.conv2d(x64, w64, b64, strides, paddings)
+            (expected_wgrad,) = torch.autograd.grad(z, w64, dy64)
+        terms = c * kernel * kernel
+        row["numerics"] = {
+            name: common.check_against_float64(fns[name](), expected, mode, terms)
+            for name in ("aten", "ours", "ours_s2d", "ours_s2d_conv", "aten_s2d_conv")
+        }
+        wgrad_terms = n * expected.shape[2] * expected.shape[3]
+        for name in WGRAD:
+            grad_w, grad_b = fns[name]()
+            row["numerics"][name] = common.check_against_float64(grad_w, expected_wgrad, mode, wgrad_terms)
+            row["numerics"][name + "_bias"] = common.check_against_float64(grad_b, dy64.sum((0, 2, 3)), mode, wgrad_terms)
+        row["numerics_passed"] = all(check.get("passed") for check in row["numerics"].values())
+        if device == "cuda":
+            replays = {name: common.capture_replay(fn) for name, fn in fns.items()}
+        else:
+            replays = fns
+        row["gpu_time"] = common.time_side_by_side(replays, args.warmup, args.iters, device)
+        row["back_to_back"] = common.time_back_to_back(fns, args.calls, args.repeats, device)
+    gpu = {name: timing["median_ms"] for name, timing in row["gpu_time"].items()}
+    row["gpu_ms"] = gpu
+    row["s2d_over_ours_gpu"] = gpu["ours"] / gpu["ours_s2d"]
+    row["s2d_conv_over_ours_gpu"] = gpu["ours"] / gpu["ours_s2d_conv"]
+    row["s2d_over_aten_gpu"] = gpu["aten"] / gpu["ours_s2d"]
+    row["s2d_wgrad_over_ours_gpu"] = gpu["ours_wgrad"] / gpu["ours_s2d_wgrad"]
+    if device == "cuda":
+        from torch_convbias import explain, explain_param_grad
+
+        row["paths"] = {
+            "ours": explain(x, w, b, stride=strides, padding=paddings, activation="relu"),
+            "ours_s2d": explain(xs, ws, b, activation="relu"),
+            "ours_wgrad": explain_param_grad(dy, x, w, stride=strides, padding=paddings),
+            "ours_s2d_wgrad": explain_param_grad(dy, xs, ws),
+        }
+    return row
+
+
+def _regrouped_wgrad(grads: Sequence[torch.Tensor | None], kernel: Sequence[int], stride: Sequence[int]) -> tuple[Any, Any]:
+    grad_w, grad_b = grads
+    assert grad_w is not None
+    return weight_grad_from_space_to_depth(grad_w, kernel, stride), grad_b
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", nargs="+", default=["bf16", "tf32", "fp32"], choices=list(common.modes()))
+    parser.add_argument("--shapes", type=int, nargs="*", default=None, help="indices into SHAPES (default all)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny shapes (smoke tests) instead of SHAPES")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    common.add_timing_arguments(parser, warmup=3, iters=20, calls=10, repeats=5)
+    parser.add_argument("--budget", type=float, default=300.0, help="seconds; rows stop once exceeded")
+    parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("probe_space_to_depth: needs a CUDA GPU (or --device cpu)")
+        return 2
+    import torch_convbias  # noqa: F401 - registers torch.ops.convbias
+
+    suite = TINY if args.tiny else SHAPES
+    shapes = [suite[i] for i in args.shapes] if args.shapes else suite
+    rows: list[dict[str, Any]] = []
+    results = {"environment": common.environment(), "config": {**vars(args), "shapes": shapes}, "rows": rows}
+    begin = time.perf_counter()
+    for name in args.modes:
+        mode = common.modes()[name]
+        for shape in shapes:
+            if time.perf_counter() - begin > args.budget:
+                say("budget spent: stopping")
+                break
+            say(name, shape[0])
+            try:
+                with common.mode_flags(mode, cudnn_benchmark=True):
+                    row = measure_row(shape, mode, args)
+            except Exception as error:  # noqa: BLE001 - a row's failure is a result
+                row = {"label": shape[0], "mode": name, "shape": list(shape[1:]), "error": common.short_error(error)}
+            rows.append(row)
+            common.free_memory(args.device)
+            print(name, shape[0], {key: round(value, 3) for key, value in row.get("gpu_ms", {}).items()},
+                  {key: round(value, 3) for key, value in row.items() if key.endswith("_gpu")},
+                  "numerics", common.verdict(row.get("numerics_passed")), row.get("error", ""), flush=True)
+            results["summary"] = {
+                m: {key: common.geomean(r.get(key) for r in rows if r["mode"] == m)
+                    for key in ("s2d_over_ours_gpu", "s2d_conv_over_ours_gpu", "s2d_over_aten_gpu", "s2d_wgrad_over_ours_gpu")}
+                for m in args.modes
+            }
+            path = common.write_json(results, args.out, NAME)
+    print("summary", results.get("summary"))
+    print("results:", path if rows else "none")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
