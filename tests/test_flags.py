@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -212,6 +213,57 @@ def test_repeated_gradients_are_bitwise_equal_under_each_determinism_flag(flag: 
     )
     torch.testing.assert_close(runs[0][0].double(), ref_w, rtol=1e-4, atol=1e-4 * ref_w.abs().max().item())
     torch.testing.assert_close(runs[0][1].double(), ref_b, rtol=1e-5, atol=1e-5 * ref_b.abs().max().item())
+
+
+# AlexNet's convolutions at its training batch (bench/bench_models.py): (C, side, K, kernel, stride, padding). On the H100
+# at 690a2ff a float32 weight gradient of these under TF32 ran an engine that down-converts to half (an f16 wgrad kernel
+# in `models-nvidia-h100-80gb-hbm3.json`'s AlexNet TF32 training row).
+ALEXNET_CONVS = [(3, 224, 64, 11, 4, 2), (64, 27, 192, 5, 1, 2), (192, 13, 384, 3, 1, 1), (384, 13, 256, 3, 1, 1),
+                 (256, 13, 256, 3, 1, 1)]  # fmt: skip
+HALF_KERNEL = re.compile(r"f16|half|fp16", re.IGNORECASE)
+
+
+def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected.detach()).norm() / expected.detach().norm()).item()
+
+
+@cuda
+@pytest.mark.parametrize("layer", range(len(ALEXNET_CONVS)))
+def test_tf32_never_runs_float32_in_half_precision(layer: int) -> None:
+    """TF32 rounds float32's mantissa and keeps its exponent; an engine that down-converts float32 inputs to half
+    (cuDNN's DOWN_CONVERT_INPUTS note) keeps neither, and ATen never takes one. With inputs of 1e-9 (below half's
+    smallest subnormal, 6e-8) under TF32 and every choice timed: our forward and weight gradient keep float64's values
+    to TF32's precision (half would flush them to zero: a relative error of 1), and no kernel with half-precision
+    operands runs (the profiler's kernel names)."""
+    c, side, k, kernel, stride, padding = ALEXNET_CONVS[layer]
+    generator = torch.Generator("cuda").manual_seed(layer)
+
+    def draw(*size: int, scale: float) -> torch.Tensor:
+        t = torch.randn(*size, device="cuda", generator=generator) * scale
+        return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
+
+    out = (side + 2 * padding - kernel) // stride + 1
+    x, dy = draw(512, c, side, side, scale=1e-9), draw(512, k, out, out, scale=1.0)
+    w, b = draw(k, c, kernel, kernel, scale=(c * kernel * kernel) ** -0.5), draw(k, scale=1e-9)
+    strides, paddings, ones = [stride] * 2, [padding] * 2, [1, 1]
+    with restored_flags():
+        torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark = True, True
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            y = torch.ops.convbias.forward(x, w, b, strides, paddings, ones, 1)
+            grad_w, _ = torch.ops.convbias.param_grad(dy, x, w, strides, paddings, ones, 1, [True, False])
+            torch.cuda.synchronize()
+        paths = (torch_convbias.explain(x, w, b, stride, padding), torch_convbias.explain_param_grad(dy, x, w, stride, padding))
+    assert paths[0]["math"]["allow_tf32"] is True, paths[0]["math"]
+    engines = {"forward": (paths[0]["path"], (paths[0].get("engine") or {}).get("name")),
+               "weight_grad": (paths[1]["weight_grad"]["path"], (paths[1]["weight_grad"].get("engine") or {}).get("name"))}
+    kernels = {event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA}
+    assert not [name for name in kernels if HALF_KERNEL.search(name)], (engines, sorted(kernels))
+    x64, w64 = x.double(), w.double().requires_grad_()
+    expected = F.conv2d(x64, w64, b.double(), strides, paddings)
+    (expected_grad,) = torch.autograd.grad(expected, w64, dy.double())
+    assert rel_rms(y, expected) < 1e-2, (rel_rms(y, expected), engines)
+    assert rel_rms(grad_w, expected_grad) < 1e-2, (rel_rms(grad_w, expected_grad), engines)
 
 
 @cuda

@@ -313,12 +313,15 @@ EngineChoice select_engine(
   if (policy.sweep_engines()) {
     add_unoffered_engines(graph, choice);
   }
-  // Filters as PyTorch applies them, per graph: TF32 engines carry TENSOR_CORE on FLOAT graphs. Reductions in
-  // reduced precision are never taken: the graphs promise FP32 accumulation for every I/O dtype.
-  std::vector<fe::NumericalNote_t> excluded{fe::NumericalNote_t::REDUCED_PRECISION_REDUCTION};
+  // Filters as PyTorch applies them (ATen's filterEngineConfigs, Conv_v8.cpp), per graph: engines that down-convert
+  // their inputs are never taken, whatever the dtype or TF32 setting (on the H100 a float32 weight gradient under TF32
+  // chose one running an f16 kernel: half's 5-bit exponent flushes what TF32 keeps); TF32 engines carry TENSOR_CORE
+  // on FLOAT graphs and go when TF32 is off. Reductions in reduced precision are never taken: the graphs promise FP32
+  // accumulation for every I/O dtype.
+  std::vector<fe::NumericalNote_t> excluded{
+      fe::NumericalNote_t::REDUCED_PRECISION_REDUCTION, fe::NumericalNote_t::DOWN_CONVERT_INPUTS};
   if (policy.float32_io && !policy.flags.allow_tf32) {
     excluded.push_back(fe::NumericalNote_t::TENSOR_CORE);
-    excluded.push_back(fe::NumericalNote_t::DOWN_CONVERT_INPUTS);
   }
   if (policy.flags.deterministic) {
     excluded.push_back(fe::NumericalNote_t::NONDETERMINISTIC);

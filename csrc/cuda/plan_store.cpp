@@ -41,7 +41,9 @@ namespace fs = std::filesystem;
 //    an activation is ATen's convolution + our bias and activation pass): choices timed before compared other routes.
 // 7: "via_padded_channels" in forward and weight-gradient records (a plan run on zero-padded input channels; the
 //    weight gradient's also "padded_ms" / "as_is_ms"), the PAD_CHANNELS knob.
-constexpr int64_t kFormatVersion = 7;
+// 8: engines that down-convert their inputs are never chosen (graph_common.cpp): a float32 plan chosen under TF32
+//    before may be one.
+constexpr int64_t kFormatVersion = 8;
 constexpr char kMagic[8] = {'C', 'V', 'B', 'P', 'L', 'A', 'N', '1'};
 
 std::atomic<int64_t> hit_count{0}, miss_count{0}, write_count{0}, reject_count{0};
