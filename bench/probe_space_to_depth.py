@@ -90,7 +90,7 @@ def space_to_depth_input(x: torch.Tensor, kernel: Sequence[int], stride: Sequenc
 
 def space_to_depth_weight(w: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
     """The weight of the stride-1 problem: ``w`` zero-padded to whole blocks, each block's elements made channels."""
-    (k, c, r, s), (sh, sw) = w.shape, stride
+    (_, _, r, s), (sh, sw) = w.shape, stride
     rb, sb = -(-r // sh), -(-s // sw)
     return _blocks_to_channels(F.pad(w, (0, sb * sw - s, 0, rb * sh - r)), sh, sw)
 
