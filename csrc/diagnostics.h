@@ -44,4 +44,10 @@ void inject_padded_way_failures(int64_t count, bool out_of_memory);
 // parts (cuda/batch_parts.h), or nullopt when it runs whole; device-independent (meta tensors work), for tests.
 std::optional<int64_t> batch_part_size(const at::Tensor& input, const at::Tensor& weight, int64_t output_numel);
 
+// Test hook: the space-to-depth regrouping of forward's input and weight for these arguments (cuda/space_to_depth.h),
+// [regrouped input, regrouped weight], or empty where that way does not apply; the regrouping runs on any device.
+std::vector<at::Tensor> space_to_depth(
+    const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride, at::IntArrayRef padding,
+    at::IntArrayRef dilation, int64_t groups);
+
 } // namespace convbias

@@ -110,6 +110,11 @@ TORCH_LIBRARY(convbias, m) {
   // The samples per part of a call run in parts of its batch (past cuDNN's 32-bit indexing), or None: for tests of
   // the arithmetic on meta tensors.
   m.def("_batch_part_size(Tensor input, Tensor weight, int output_numel) -> int?", &convbias::batch_part_size);
+  // Test hook: [regrouped input, regrouped weight] of the space-to-depth way (cuda/space_to_depth.h), or [].
+  m.def(
+      "_space_to_depth(Tensor input, Tensor weight, int[2] stride, int[2] padding, int[2] dilation, int groups) "
+      "-> Tensor[]",
+      &convbias::space_to_depth);
   // [cuDNN version compiled against, cuDNN version loaded at run time, cuDNN frontend version].
   m.def("_cudnn_versions() -> int[]", &convbias::cudnn_versions);
 }

@@ -51,9 +51,12 @@ def explain(
     timings of the candidates, rejections), ``layout`` (``channels_last``, ``copied to channels_last``, or for
     NCHW input and weight ``nchw graph`` / ``nchw via channels_last copies`` / ``nchw (aten)``), ``layout_timings``
     (``[way, ms]`` of each way measured: of running NCHW tensors, or for channels_last tensors with misaligned
-    channel rows ``as_is`` and ``padded_channels``), ``padded_channels`` (the input channel count the convolution ran
-    with on zero-padded copies of input and weight, ``TORCH_CONVBIAS_PAD_CHANNELS``; null when it ran as it is),
-    ``converted_input``, ``output``,
+    channel rows ``as_is`` and ``padded_channels``, for strided stems then ``space_to_depth``), ``padded_channels``
+    (the input channel count the convolution ran with on zero-padded copies of input and weight,
+    ``TORCH_CONVBIAS_PAD_CHANNELS``; null when it ran as it is), ``space_to_depth`` (a strided stem of at most 4
+    channels run as a stride-1 convolution over its input regrouped into stride-sized blocks,
+    ``TORCH_CONVBIAS_SPACE_TO_DEPTH``: ``blocks``, the regrouped ``channels`` and ``kernel``, and the regrouped
+    problem's ``padded_channels``; null when it ran its own way), ``converted_input``, ``output``,
     ``alignment``, ``math`` (the flags that select engines), ``graph_ops`` (the cuDNN graph's operations in order,
     e.g. ``["CONV_FPROP", "ADD", "RELU_FWD"]``; empty on the ATen path), ``activation`` (``name``; ``fused``: true when
     the activation is the graph's last node, its epilogue, false when ATen's pointwise kernel runs it after the graph

@@ -18,6 +18,7 @@
 #include "cuda/epilogue.h"
 #include "cuda/pad_channels.h"
 #include "cuda/plan_store.h"
+#include "cuda/space_to_depth.h"
 #include "cuda/dgrad.h"
 #include "cuda/dgrad_activation.h"
 #include "cuda/wgrad.h"
@@ -61,6 +62,26 @@ Json padded_channels_json(const cuda::PreparedForward& prepared, const cuda::Fpr
     return plan.via_channels_last->via_padded_channels ? Json(prepared.problem.as_channels_last().padded_channels()) : Json();
   }
   return plan.via_padded_channels ? Json(prepared.problem.padded_channels()) : Json();
+}
+
+// The regrouping a strided stem ran with when the plan took the space-to-depth way (space_to_depth.h; directly or by
+// the channels_last plan behind NCHW copies): blocks, the regrouped channels and kernel, and the channel count of the
+// regrouped problem's own padded way where it took one; else null.
+Json space_to_depth_json(const cuda::PreparedForward& prepared, const cuda::FpropPlan& plan) {
+  const cuda::FpropProblem problem =
+      plan.via_channels_last ? prepared.problem.as_channels_last() : prepared.problem;
+  const cuda::FpropPlan& own = plan.via_channels_last ? *plan.via_channels_last : plan;
+  const auto g = problem.space_to_depth();
+  if (!own.via_space_to_depth || !g) {
+    return Json();
+  }
+  const cuda::FpropProblem regrouped = problem.with_space_to_depth();
+  return Json{
+      {"blocks", {g->block[0], g->block[1]}},
+      {"channels", g->channels(problem.x_dims[1])},
+      {"kernel", {g->kernel_blocks[0], g->kernel_blocks[1]}},
+      {"padded_channels",
+       own.via_space_to_depth->via_padded_channels ? Json(regrouped.padded_channels()) : Json()}};
 }
 
 Json engine_json(const cuda::EngineChoice& e) {
@@ -336,6 +357,7 @@ std::string explain_cuda(
       {"layout_timings", timings_json(plan->layout_timings)},
       {"realigned", prepared.realigned},
       {"padded_channels", padded_channels_json(prepared, *plan)},
+      {"space_to_depth", space_to_depth_json(prepared, *plan)},
       {"output", output_memory_format(input, weight) == at::MemoryFormat::ChannelsLast ? "channels_last" : "NCHW"},
       {"cached", route.was_cached},
       {"plan_build_seconds", route.build_seconds},
@@ -455,6 +477,18 @@ void inject_padded_way_failures(int64_t count, bool out_of_memory) {
 
 std::optional<int64_t> batch_part_size(const at::Tensor& input, const at::Tensor& weight, int64_t output_numel) {
   return cuda::batch_part_size(input, weight, output_numel);
+}
+
+std::vector<at::Tensor> space_to_depth(
+    const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride, at::IntArrayRef padding,
+    at::IntArrayRef dilation, int64_t groups) {
+  const ConvParams params = check_forward_args(input, weight, std::nullopt, stride, padding, dilation, groups);
+  const auto dims = [](const at::Tensor& t) { return std::array<int64_t, 4>{t.size(0), t.size(1), t.size(2), t.size(3)}; };
+  const auto g = cuda::space_to_depth_of(dims(input), dims(weight), output_size(input, weight, params), params);
+  if (!g) {
+    return {};
+  }
+  return {cuda::space_to_depth_input(input, *g), cuda::space_to_depth_weight(weight, *g)};
 }
 
 std::string plan_cache_stats() {

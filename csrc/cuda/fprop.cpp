@@ -235,6 +235,15 @@ std::pair<at::Tensor, at::Tensor> run_plan(
     auto [y, z] = run_plan(*plan.via_channels_last, problem.as_channels_last(), x.contiguous(cl), w.contiguous(cl), b);
     return {y.contiguous(), z.defined() ? z.contiguous() : z};
   }
+  if (plan.via_space_to_depth) {
+    // Before via_padded_channels: the plan is a copy of the regrouped problem's, whose own ways (a padded one) are
+    // the regrouped problem's, run by the recursion. The output is the problem's own: `out` serves as it is.
+    const auto g = problem.space_to_depth();
+    TORCH_INTERNAL_ASSERT(g);
+    return run_plan(
+        *plan.via_space_to_depth, problem.with_space_to_depth(), space_to_depth_input(x, *g), space_to_depth_weight(w, *g),
+        b, out);
+  }
   if (plan.via_padded_channels) {
     // The output has the problem's own shape (only the reduction dimension grew, by zeros): `out` serves as it is.
     const int64_t channels = problem.padded_channels();
@@ -644,10 +653,80 @@ std::shared_ptr<const FpropPlan> consider_padded_channels(
   });
 }
 
+// A channels_last problem with space_to_depth() (a strided stem) runs its own way (`chosen`: as it is, on padded
+// channels or ATen's) or as the regrouped stride-1 problem (space_to_depth.h), at the price of regrouping x and w. Under
+// timed choices both complete ways are measured, the regrouping included, and the faster kept; untimed, the problem's
+// own way (heuristics cannot weigh the regrouping), unless TORCH_CONVBIAS_SPACE_TO_DEPTH=on (the regrouped way wherever
+// a graph runs it) or off (never). Whatever stops the regrouped way (out of memory, a forced path it cannot take)
+// leaves the problem its own way, with the reason in the plan's notes.
+std::shared_ptr<const FpropPlan> consider_space_to_depth(
+    const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+    std::shared_ptr<const FpropPlan> chosen) {
+  const auto g = p.space_to_depth();
+  const std::string& knob = knobs().space_to_depth;
+  if (!g || knob == "off" || (knob != "on" && (current_tuning(p.flags) == Tuning::Untimed || chosen->transient))) {
+    return chosen;
+  }
+  std::ostringstream describe;
+  describe << "input regrouped into " << g->block[0] << "x" << g->block[1] << " blocks (" << x.size(1) << " -> "
+           << g->channels(x.size(1)) << " channels, a " << g->kernel_blocks[0] << "x" << g->kernel_blocks[1]
+           << " kernel at stride 1)";
+  const std::string note = describe.str();
+  auto own = std::make_shared<FpropPlan>(*chosen);
+  try {
+    const FpropProblem q = p.with_space_to_depth();
+    const std::shared_ptr<const FpropPlan> regrouped =
+        fprop_plan(q, space_to_depth_input(x, *g), space_to_depth_weight(w, *g), b);
+    if (regrouped->path == FpropPath::Aten) {
+      own->notes.push_back(note + " not taken: that problem's plan is ATen's convolution");
+      return own;
+    }
+    const auto via_regrouped = [&](const std::string& why) {
+      auto plan = std::make_shared<FpropPlan>(*regrouped);
+      plan->via_space_to_depth = regrouped;
+      plan->via_padded_channels = nullptr; // the regrouped problem's own way, run through via_space_to_depth
+      plan->notes.push_back(note + why);
+      return plan;
+    };
+    if (knob == "on") {
+      auto plan = via_regrouped(" (TORCH_CONVBIAS_SPACE_TO_DEPTH=on)");
+      plan->layout_timings.clear();
+      return plan;
+    }
+    const float own_ms = time_on_stream(
+        [&] { (void)(own->path == FpropPath::Aten ? run_aten(p, x, w, b) : run_plan(*own, p, x, w, b).first); });
+    const float regrouped_ms = time_on_stream([&] {
+      (void)run_plan(*regrouped, q, space_to_depth_input(x, *g), space_to_depth_weight(w, *g), b);
+    });
+    // The ways measured before (as_is / padded_channels), or the problem's own way, then this one.
+    auto timings = own->layout_timings;
+    if (timings.empty()) {
+      timings.emplace_back("as_is", own_ms);
+    }
+    timings.emplace_back("space_to_depth", regrouped_ms);
+    std::ostringstream measured;
+    measured << regrouped_ms << " ms against " << own_ms << " ms";
+    if (regrouped_ms < own_ms) {
+      auto plan = via_regrouped(": measured faster, " + measured.str());
+      plan->layout_timings = std::move(timings);
+      return plan;
+    }
+    own->notes.push_back(note + " measured slower: " + measured.str());
+    own->layout_timings = std::move(timings);
+  } catch (const c10::OutOfMemoryError&) {
+    own->transient = true;
+    own->notes.push_back(note + " not tried: out of memory for the regrouped copies");
+  } catch (const c10::Error& error) {
+    const std::string what = error.what_without_backtrace();
+    own->notes.push_back(note + " failed, the problem runs its own way: " + what.substr(0, what.find('\n')));
+  }
+  return own;
+}
+
 std::shared_ptr<const FpropPlan> build_plan(
     const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   if (p.channels_last) {
-    return consider_padded_channels(p, x, w, b, build_graph_path(p, x, w, b));
+    return consider_space_to_depth(p, x, w, b, consider_padded_channels(p, x, w, b, build_graph_path(p, x, w, b)));
   }
   return build_nchw_plan(p, x, w, b);
 }
@@ -755,6 +834,7 @@ std::optional<plan_store::Json> plan_record(const FpropPlan& plan) {
       {"path", path_name(plan.path)},
       {"via_channels_last", plan.via_channels_last != nullptr},
       {"via_padded_channels", plan.via_padded_channels != nullptr},
+      {"via_space_to_depth", plan.via_space_to_depth != nullptr},
       {"tuned", plan.tuned},
       {"fused_ms", plan.fused_ms},
       {"unfused_ms", plan.unfused_ms},
@@ -768,8 +848,9 @@ std::optional<plan_store::Json> plan_record(const FpropPlan& plan) {
       {"separate_activation_ms", plan.separate_activation_ms},
       {"preactivation_output", plan.preactivation_output},
       {"residual_fused", plan.residual_fused}};
-  // A plan run via channels_last or padded copies stores its choice only: the plan it runs is stored under its own key.
-  const bool own_graph = !plan.via_channels_last && !plan.via_padded_channels && plan.path != FpropPath::Aten;
+  // A plan run via channels_last, padded or regrouped copies stores its choice only: the plan it runs is stored under its own key.
+  const bool own_graph = !plan.via_channels_last && !plan.via_padded_channels && !plan.via_space_to_depth &&
+      plan.path != FpropPath::Aten;
   return plan_store::put_graph(r, own_graph ? plan.graph : nullptr, plan.engine) ? std::optional(r) : std::nullopt;
 }
 
@@ -809,6 +890,18 @@ std::shared_ptr<const FpropPlan> plan_from_record(
     auto via = fprop_plan(p.as_channels_last(), x.contiguous(cl), w.contiguous(cl), b);
     plan = std::make_shared<FpropPlan>(*via);
     plan->via_channels_last = via;
+  } else if (r.at("via_space_to_depth").get<bool>()) {
+    const auto g = p.space_to_depth();
+    if (!g) {
+      return nullptr;
+    }
+    auto via = fprop_plan(p.with_space_to_depth(), space_to_depth_input(x, *g), space_to_depth_weight(w, *g), b);
+    if (via->path == FpropPath::Aten) {
+      return nullptr;
+    }
+    plan = std::make_shared<FpropPlan>(*via);
+    plan->via_space_to_depth = via;
+    plan->via_padded_channels = nullptr;
   } else if (r.at("via_padded_channels").get<bool>()) {
     const int64_t channels = p.padded_channels();
     if (channels == 0) {
@@ -941,6 +1034,23 @@ FpropProblem FpropProblem::with_padded_channels() const {
   FpropProblem p = *this;
   p.x_dims[1] = channels;
   p.w_dims[1] = channels;
+  p.alignments[0] = 16;
+  p.alignments[1] = 16;
+  return p;
+}
+
+std::optional<SpaceToDepth> FpropProblem::space_to_depth() const {
+  return channels_last && !has_residual ? space_to_depth_of(x_dims, w_dims, y_dims, params) : std::nullopt;
+}
+
+FpropProblem FpropProblem::with_space_to_depth() const {
+  const auto g = space_to_depth();
+  TORCH_INTERNAL_ASSERT(g);
+  FpropProblem p = *this;
+  p.x_dims = {x_dims[0], g->channels(x_dims[1]), g->input_blocks[0], g->input_blocks[1]};
+  p.w_dims = {w_dims[0], g->channels(w_dims[1]), g->kernel_blocks[0], g->kernel_blocks[1]};
+  p.params.stride = {1, 1};
+  p.params.padding = {0, 0};
   p.alignments[0] = 16;
   p.alignments[1] = 16;
   return p;

@@ -14,6 +14,7 @@
 #include "conv_args.h"
 #include "cuda/graph_common.h"
 #include "cuda/plan_lookup.h"
+#include "cuda/space_to_depth.h"
 
 namespace convbias::cuda {
 
@@ -55,6 +56,10 @@ struct FpropProblem {
   // are not 16-byte multiples.
   int64_t padded_channels() const;
   FpropProblem with_padded_channels() const; // the same problem on those copies (fresh, 16-byte aligned)
+  // The regrouping that runs the problem as a stride-1 convolution (space_to_depth.h), or nullopt where that way does
+  // not apply: channels_last, no residual, and space_to_depth_of's conditions (a strided stem of at most 4 channels).
+  std::optional<SpaceToDepth> space_to_depth() const;
+  FpropProblem with_space_to_depth() const; // the regrouped problem (fresh, 16-byte aligned copies; the same output)
 };
 
 struct FpropPlan {
@@ -96,6 +101,10 @@ struct FpropPlan {
   // the padded problem it runs (`path`/`engine` above copied from it); `layout_timings` then holds ("as_is", ms) and
   // ("padded_channels", ms) where both were measured.
   std::shared_ptr<const FpropPlan> via_padded_channels;
+  // Channels_last problems with space_to_depth(): when the regrouped problem's way was taken (measured faster than the
+  // problem's own way, the regrouping included, or TORCH_CONVBIAS_SPACE_TO_DEPTH=on), its plan (`path`/`engine` above
+  // copied from it); `layout_timings` then ends with ("space_to_depth", ms) after the other ways measured.
+  std::shared_ptr<const FpropPlan> via_space_to_depth;
 };
 
 PlanCaches<FpropPlan>& fprop_cache();

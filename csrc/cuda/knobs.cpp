@@ -63,6 +63,10 @@ const Knobs& knobs() {
     TORCH_CHECK_VALUE(
         result.pad_channels == "auto" || result.pad_channels == "on" || result.pad_channels == "off",
         "TORCH_CONVBIAS_PAD_CHANNELS must be auto, on or off, got '", result.pad_channels, "'");
+    result.space_to_depth = env_or("TORCH_CONVBIAS_SPACE_TO_DEPTH", "auto");
+    TORCH_CHECK_VALUE(
+        result.space_to_depth == "auto" || result.space_to_depth == "on" || result.space_to_depth == "off",
+        "TORCH_CONVBIAS_SPACE_TO_DEPTH must be auto, on or off, got '", result.space_to_depth, "'");
     const std::string fallback = env_or("TORCH_CONVBIAS_WORKSPACE_FALLBACK", "on");
     TORCH_CHECK_VALUE(
         fallback == "on" || fallback == "off", "TORCH_CONVBIAS_WORKSPACE_FALLBACK must be on or off, got '", fallback,

@@ -43,7 +43,8 @@ namespace fs = std::filesystem;
 //    weight gradient's also "padded_ms" / "as_is_ms"), the PAD_CHANNELS knob.
 // 8: engines that down-convert their inputs are never chosen (graph_common.cpp): a float32 plan chosen under TF32
 //    before may be one.
-constexpr int64_t kFormatVersion = 8;
+// 9: "via_space_to_depth" in forward records (a strided stem run over its regrouped input), the SPACE_TO_DEPTH knob.
+constexpr int64_t kFormatVersion = 9;
 constexpr char kMagic[8] = {'C', 'V', 'B', 'P', 'L', 'A', 'N', '1'};
 
 std::atomic<int64_t> hit_count{0}, miss_count{0}, write_count{0}, reject_count{0};
@@ -81,6 +82,7 @@ Json knob_values() {
       {"activation", k.activation},
       {"nchw", k.nchw},
       {"pad_channels", k.pad_channels},
+      {"space_to_depth", k.space_to_depth},
       {"autotune", k.autotune},
       {"no_runtime_compilation", !k.allow_runtime_compiled},
       {"param_grad", k.param_grad},

@@ -1,0 +1,51 @@
+// The "space to depth" way of running a strided stem convolution: the same convolution, exactly, as a stride-1
+// convolution over the input regrouped into blocks of stride_h x stride_w pixels (each block's pixels become channels)
+// with the weight regrouped alike, zero-padded to whole blocks:
+//
+//   X[n, (c, a, b), i, j] = x_pad[n, c, sh*i + a, sw*j + b]      W'[k, (c, a, b), u, v] = w_pad[k, c, sh*u + a, sw*v + b]
+//   conv(X, W', stride 1)[n, k, i, j] = sum x_pad[n, c, sh*i + r, sw*j + t] * w_pad[k, c, r, t] = conv(x, w, stride s)
+//
+// A network's first convolution reads 3 channels with a large kernel and stride (AlexNet 11x11 / 4, ResNet 7x7 / 2),
+// which cuDNN runs far below the GPU's rate: AlexNet's stem took 3.1 of its 7.5 ms TF32 inference on the H100, and
+// its bf16 one went through float32 conversions on the H200 (bench/results/models-*.json). Regrouped it has 48
+// (resp. 12) channels and a 3x3 (4x4) kernel, at 1.19x (1.31x) the multiply-adds (the zeros). Whether that pays, the
+// regrouping's passes included, is measured per problem when choices are timed (fprop.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <optional>
+
+#include "conv_args.h"
+
+namespace convbias::cuda {
+
+// Where a problem's regrouping comes from, per spatial dimension (0: height, 1: width).
+struct SpaceToDepth {
+  std::array<int64_t, 2> block; // the stride: pixels per block
+  std::array<int64_t, 2> kernel_blocks; // ceil(kernel / stride): the regrouped kernel
+  std::array<int64_t, 2> input_blocks; // output - 1 + kernel_blocks: the regrouped input's size
+  // The padding of x before the regrouping: `before` is the convolution's; `after` makes the padded extent
+  // block * input_blocks (negative: rows past the last one any output reads, cropped).
+  std::array<int64_t, 2> before, after;
+
+  int64_t channels(int64_t c) const { return c * block[0] * block[1]; }
+};
+
+// The regrouping of a channels_last convolution of x [N, C, H, W] by w [K, C, R, S] into y [N, K, P, Q], or nullopt where
+// the way does not apply: one group, no dilation, a stride above 1, at most 4 input channels (the stems: RGB, RGBA,
+// grey), the kernel's zeros at most doubling the multiply-adds (a 1x1 stride-2 convolution would quadruple them), and
+// the regrouped input within INT32_MAX elements (cuDNN's engines index with 32 bits).
+std::optional<SpaceToDepth> space_to_depth_of(
+    const std::array<int64_t, 4>& x_dims, const std::array<int64_t, 4>& w_dims, const std::array<int64_t, 4>& y_dims,
+    const ConvParams& params);
+
+// x [N, C, H, W] regrouped: a new channels_last [N, C*sh*sw, input_blocks...] tensor (16-byte aligned), on x's device
+// and current stream; any layout of x.
+at::Tensor space_to_depth_input(const at::Tensor& x, const SpaceToDepth& g);
+
+// w [K, C, R, S] regrouped: a new channels_last [K, C*sh*sw, kernel_blocks...] tensor, zeros past the kernel.
+at::Tensor space_to_depth_weight(const at::Tensor& w, const SpaceToDepth& g);
+
+} // namespace convbias::cuda

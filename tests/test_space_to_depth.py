@@ -1,0 +1,246 @@
+"""The space-to-depth way (csrc/cuda/space_to_depth.*, TORCH_CONVBIAS_SPACE_TO_DEPTH): a strided stem (at most 4 input
+channels, stride above 1) runs as the stride-1 convolution of its input regrouped into stride-sized blocks, with the
+weight regrouped alike.
+
+On the CPU (the regrouping is device-independent, through the test hook ``convbias::_space_to_depth``): the regrouped
+problem's convolution equals the strided one in float64 (the oracle is the original problem, which shares no code with
+the regrouping), and the problems the way does not apply to get none. On CUDA, each knob setting in its own process
+(knobs are read once): forced on, every case takes the way, says so in explain(), and equals F.conv2d in float64,
+gradients included; timed (cudnn.benchmark) both ways are measured and the faster kept; untimed or off, never taken;
+the choice survives the persistent plan cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import cuda
+
+import torch_convbias  # noqa: F401 - registers torch.ops.convbias
+
+ROOT = Path(__file__).resolve().parents[1]
+ONES = [1, 1]
+
+
+def regrouped(x: torch.Tensor, w: torch.Tensor, stride: list[int], padding: list[int], dilation: list[int] = ONES,
+              groups: int = 1) -> list[torch.Tensor]:  # fmt: skip
+    return torch.ops.convbias._space_to_depth(x, w, stride, padding, dilation, groups)
+
+
+@pytest.mark.parametrize(
+    ("c", "size", "kernel", "stride", "padding"),
+    [
+        (3, (224, 224), (11, 11), (4, 4), (2, 2)),  # AlexNet's stem: 48 channels, 3x3
+        (3, (31, 29), (7, 7), (2, 2), (3, 3)),  # ResNet's stem on odd sizes: 12 channels, 4x4; a zero row past the padding
+        (1, (22, 23), (5, 3), (3, 2), (0, 1)),  # grey, unequal strides and kernels; a row no output reads cropped
+        (4, (9, 9), (3, 3), (2, 2), (1, 1)),  # RGBA, a 3x3 stride-2 stem: 16 channels, 2x2
+        (3, (8, 8), (2, 2), (2, 2), (0, 0)),  # kernel = stride: a 1x1 regrouped kernel
+    ],
+)
+def test_regrouped_convolution_equals_the_strided_one(
+    c: int, size: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int]
+) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, c, *size, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(5, c, *kernel, dtype=torch.float64)
+    b = torch.randn(5, dtype=torch.float64)
+    xs, ws = regrouped(x, w, list(stride), list(padding))
+    blocks = stride[0] * stride[1]
+    assert xs.shape[1] == ws.shape[1] == c * blocks
+    assert list(ws.shape[2:]) == [-(-kernel[0] // stride[0]), -(-kernel[1] // stride[1])]
+    assert xs.is_contiguous(memory_format=torch.channels_last) and ws.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(F.conv2d(xs, ws, b), F.conv2d(x, w, b, stride, padding), rtol=1e-12, atol=1e-12)
+    # Every weight element appears once among the regrouped weight's entries; the rest are the padding's zeros.
+    assert torch.equal(ws[ws != 0].sort().values, w[w != 0].sort().values)
+
+
+def test_any_input_layout_is_regrouped() -> None:
+    """NCHW input (the regrouping reads any strides): the same regrouped tensors as from channels_last."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 20, 20, dtype=torch.float64)
+    w = torch.randn(4, 3, 5, 5, dtype=torch.float64)
+    from_nchw = regrouped(x, w, [2, 2], [2, 2])
+    from_channels_last = regrouped(x.contiguous(memory_format=torch.channels_last), w, [2, 2], [2, 2])
+    for a, b in zip(from_nchw, from_channels_last):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("c", "kernel", "stride", "dilation", "groups", "applies"),
+    [
+        (3, 3, 1, 1, 1, False),  # stride 1: nothing to regroup
+        (8, 3, 2, 1, 1, False),  # 8 channels: not a stem
+        (4, 3, 2, 1, 2, False),  # grouped
+        (3, 3, 2, 2, 1, False),  # dilated
+        (3, 1, 2, 1, 1, False),  # 1x1 stride 2: the blocks' zeros would quadruple the multiply-adds
+        (3, 3, 2, 1, 1, True),  # 3x3 stride 2: 16 taps for 9, within twice
+        (3, 3, 3, 1, 1, True),  # 3x3 stride 3: one block, no zeros
+    ],
+)
+def test_which_problems_it_applies_to(c: int, kernel: int, stride: int, dilation: int, groups: int, applies: bool) -> None:
+    x = torch.randn(2, c, 12, 12)
+    w = torch.randn(6, c // groups, kernel, kernel)
+    assert (regrouped(x, w, [stride] * 2, [0, 0], [dilation] * 2, groups) != []) == applies
+
+
+def test_a_regrouped_input_past_32_bit_indexing_is_not_taken() -> None:
+    """The regrouped input has more elements than the input (the blocks' zero padding): where it would pass INT32_MAX
+    the way does not apply (meta tensors: nothing allocated)."""
+    w = torch.empty(64, 3, 11, 11, device="meta")
+    fits = torch.empty(1024, 3, 224, 224, device="meta")  # 1024 * 48 * 57 * 57 = 1.6e8 elements
+    too_big = torch.empty(14000, 3, 224, 224, device="meta")  # 2.11e9 elements; regrouped 2.18e9
+    assert [list(t.shape) for t in regrouped(fits, w, [4, 4], [2, 2])] == [[1024, 48, 57, 57], [64, 48, 3, 3]]
+    assert regrouped(too_big, w, [4, 4], [2, 2]) == []
+
+
+# (n, c, hw, k, kernel, stride, padding, dtype name, activation, channels_last): AlexNet's and ResNet's stems scaled
+# down, a 3x3 stride-2 stem, grey and RGBA inputs, relu / gelu / identity, and an NCHW case (via channels_last copies).
+CASES = [
+    (4, 3, 43, 16, 11, 4, 2, "bfloat16", "relu", True),
+    (4, 3, 30, 16, 7, 2, 3, "float16", "relu", True),
+    (4, 3, 30, 16, 7, 2, 3, "float32", "gelu", True),
+    (3, 4, 17, 8, 3, 2, 1, "bfloat16", "identity", True),
+    (3, 1, 20, 8, 5, 2, 2, "float32", "relu", True),
+    (2, 3, 30, 16, 7, 2, 3, "bfloat16", "relu", False),
+]
+
+# Runs CASES (forward and, under autograd, every gradient) against float64 and prints, per case, what explain() says.
+SCRIPT = r"""
+import json, sys, torch, torch.nn.functional as F, torch_convbias
+sys.path.insert(0, "tests")
+from conftest import MODES, assert_close
+from test_space_to_depth import CASES
+ACTIVATIONS = {"identity": lambda t: t, "relu": F.relu, "gelu": F.gelu}
+torch.backends.cudnn.allow_tf32 = False
+torch.backends.cudnn.benchmark = sys.argv[1] == "benchmark"
+rows = []
+for n, c, hw, k, r, stride, pad, mode_name, act, channels_last in CASES:
+    mode = MODES[mode_name]
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    g = torch.Generator(device="cuda").manual_seed(n * 100 + c * 10 + r)
+    x = torch.randn(n, c, hw, hw, device="cuda", generator=g).to(mode.dtype).contiguous(memory_format=fmt)
+    w = (torch.randn(k, c, r, r, device="cuda", generator=g) / (c * r * r) ** 0.5).to(mode.dtype)
+    w = w.contiguous(memory_format=fmt)
+    b = torch.randn(k, device="cuda", generator=g).to(mode.dtype)
+    leaves = [t.detach().requires_grad_(True) for t in (x, w, b)]
+    y = torch_convbias.conv_bias2d(*leaves, stride=stride, padding=pad, activation=act)
+    dy = torch.randn(y.shape, device="cuda", generator=g).to(mode.dtype)
+    y.backward(dy)
+    ref_leaves = [t.detach().cpu().double().requires_grad_(True) for t in (x, w, b)]
+    pre = F.conv2d(*ref_leaves, stride=stride, padding=pad)
+    ref = ACTIVATIONS[act](pre)
+    if act == "relu":
+        # ReLU's derivative where our output is positive (a pre-activation within rounding of 0 lands on either side).
+        pre.backward(dy.cpu().double() * (y.detach().cpu() > 0))
+    else:
+        ref.backward(dy.cpu().double())
+    for what, got, want in [("output", y, ref)] + [(f"grad {i}", t.grad, u.grad) for i, (t, u) in enumerate(zip(leaves, ref_leaves))]:
+        assert_close(got.detach().cpu().double(), want.detach(), mode, f"case {(n, c, hw, k, r, mode_name, act)}: {what}")
+    info = torch_convbias.explain(x, w, b, stride=stride, padding=pad, activation=act)
+    trained = torch_convbias.explain(x, w, b, stride=stride, padding=pad, activation=act, for_backward=True)
+    rows.append({"case": [c, r, stride, mode_name, act, channels_last], "s2d": info.get("space_to_depth"),
+                 "s2d_for_backward": trained.get("space_to_depth"), "path": info["path"],
+                 "timings": dict(info.get("layout_timings") or []), "notes": info.get("notes", []),
+                 "layout": info["layout"]})
+print(json.dumps({"rows": rows, "cache": torch_convbias.cache_info()}))
+"""
+
+
+def run(tuning: str, **knobs: str) -> dict[str, Any]:
+    env = {**os.environ, **{f"TORCH_CONVBIAS_{name.upper()}": value for name, value in knobs.items()}}
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, tuning], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def regrouped_problem_runs_aten(notes: list[str]) -> bool:
+    return any("regrouped into" in note and "plan is ATen's" in note for note in notes)
+
+
+def expected_regrouping(case: tuple[Any, ...]) -> dict[str, Any]:
+    _, c, _, _, r, stride, *_ = case
+    return {"blocks": [stride, stride], "channels": c * stride * stride, "kernel": [-(-r // stride)] * 2}
+
+
+@cuda
+def test_forced_way_matches_conv2d_and_is_reported() -> None:
+    """TORCH_CONVBIAS_SPACE_TO_DEPTH=on: every case runs regrouped (the NCHW one behind channels_last copies), explain()
+    says how, and output and gradients equal float64 F.conv2d."""
+    report = run("untimed", space_to_depth="on", nchw="copy")
+    taken = 0
+    for case, row in zip(CASES, report["rows"]):
+        if regrouped_problem_runs_aten(row["notes"]) and case[-1]:
+            assert row["s2d"] is None, row
+            continue
+        s2d = row["s2d"]
+        assert s2d is not None and {key: s2d[key] for key in ("blocks", "channels", "kernel")} == expected_regrouping(case), row
+        assert row["s2d_for_backward"] is not None, row
+        if case[-1]:
+            assert any("regrouped into" in note and "SPACE_TO_DEPTH=on" in note for note in row["notes"]), row
+        taken += 1
+    assert taken >= len(CASES) - 1, report["rows"]
+
+
+@cuda
+def test_timed_choice_measures_both_ways_and_keeps_the_faster() -> None:
+    """Under cudnn.benchmark (default knob): both complete ways measured (the regrouping included), the regrouped one
+    taken exactly when it measured faster; results equal float64 F.conv2d either way."""
+    report = run("benchmark")
+    measured = 0
+    for case, row in zip(CASES, report["rows"]):
+        if not case[-1]:
+            continue  # NCHW: its own layout timings; the channels_last plan behind the copies chose for itself
+        if regrouped_problem_runs_aten(row["notes"]):
+            assert row["s2d"] is None and "space_to_depth" not in row["timings"], row
+            continue
+        timings = row["timings"]
+        assert "space_to_depth" in timings and all(ms > 0 for ms in timings.values()), row
+        own = min(ms for way, ms in timings.items() if way != "space_to_depth")
+        assert (row["s2d"] is not None) == (timings["space_to_depth"] < own), row
+        measured += 1
+    assert measured > 0, report["rows"]
+
+
+@cuda
+def test_untimed_and_off_run_the_problem_its_own_way() -> None:
+    """Untimed choices (the default) never regroup (heuristics cannot weigh the regrouping), nor does
+    TORCH_CONVBIAS_SPACE_TO_DEPTH=off under cudnn.benchmark."""
+    for tuning, knobs in (("untimed", {}), ("benchmark", {"space_to_depth": "off"})):
+        report = run(tuning, **knobs)
+        for row in report["rows"]:
+            assert row["s2d"] is None and row["s2d_for_backward"] is None, (tuning, row)
+            assert "space_to_depth" not in row["timings"], (tuning, row)
+
+
+@cuda
+def test_regrouped_plan_is_stored_and_loaded(tmp_path: Path) -> None:
+    """A timed regrouped choice (forced on, so that it is the one made) goes to the persistent plan cache and the next
+    process loads it, regrouped still, with the same results (the script checks them)."""
+    first = run("benchmark", space_to_depth="on", plan_cache_dir=str(tmp_path))
+    assert first["cache"]["disk_writes"] > 0, first["cache"]
+    second = run("benchmark", space_to_depth="on", plan_cache_dir=str(tmp_path))
+    assert second["cache"]["disk_hits"] > 0, second["cache"]
+    for before, after in zip(first["rows"], second["rows"]):
+        assert after["s2d"] == before["s2d"], (before, after)
+        if after["s2d"] is not None and after["case"][-1]:
+            assert any("loaded from the persistent plan cache" in note for note in after["notes"]), after
+
+
+@cuda
+def test_knob_value_is_checked() -> None:
+    """An unknown TORCH_CONVBIAS_SPACE_TO_DEPTH is refused by name, as a ValueError, when the knobs are first read."""
+    env = {**os.environ, "TORCH_CONVBIAS_SPACE_TO_DEPTH": "maybe"}
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, "untimed"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    message = "TORCH_CONVBIAS_SPACE_TO_DEPTH must be auto, on or off, got 'maybe'"
+    assert result.returncode != 0 and message in result.stderr and "ValueError" in result.stderr, result.stderr[-3000:]
