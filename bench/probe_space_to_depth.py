@@ -30,7 +30,9 @@ ours_s2d_wgrad     ``convbias.param_grad`` of the regrouped problem (forward sav
 GPU time: each variant captured in a CUDA graph and the replays timed interleaved (``common.time_side_by_side``);
 beside it back-to-back rates of the calls themselves. Under ``cudnn.benchmark`` (every choice of ours timed, the
 padded-channels way included). Each forward and weight gradient is checked against the original problem computed in
-float64 (``common.check_against_float64``). Run on a GPU: ``python -m bench.probe_space_to_depth [--out DIR]``;
+float64 (``common.check_against_float64``). Where the op has the way itself (``TORCH_CONVBIAS_SPACE_TO_DEPTH``, default
+``auto``: measured under ``cudnn.benchmark``), ``ours`` may already run regrouped (``paths`` records explain()'s
+``space_to_depth``): set the knob ``off`` to measure the problem's own way. Run on a GPU: ``python -m bench.probe_space_to_depth [--out DIR]``;
 ``--device cpu --tiny`` is the CPU smoke test's (tests/test_probe_space_to_depth.py).
 """
 

@@ -147,6 +147,7 @@ for n, c, hw, k, r, stride, pad, mode_name, act, channels_last in CASES:
     trained = torch_convbias.explain(x, w, b, stride=stride, padding=pad, activation=act, for_backward=True)
     rows.append({"case": [c, r, stride, mode_name, act, channels_last], "s2d": info.get("space_to_depth"),
                  "s2d_for_backward": trained.get("space_to_depth"), "path": info["path"],
+                 "padded": info.get("padded_channels"),
                  "timings": dict(info.get("layout_timings") or []), "notes": info.get("notes", []),
                  "layout": info["layout"]})
 print(json.dumps({"rows": rows, "cache": torch_convbias.cache_info()}))
@@ -205,7 +206,13 @@ def test_timed_choice_measures_both_ways_and_keeps_the_faster() -> None:
         timings = row["timings"]
         assert "space_to_depth" in timings and all(ms > 0 for ms in timings.values()), row
         own = min(ms for way, ms in timings.items() if way != "space_to_depth")
-        assert (row["s2d"] is not None) == (timings["space_to_depth"] < own), row
+        if row["padded"] is not None:
+            # The padded way won over regrouping this problem; its own plan (float32 C=3 padded to 4) may regroup the
+            # padded problem, which explain reports.
+            assert timings["space_to_depth"] >= own, row
+            assert row["s2d"] is None or row["s2d"]["channels"] == row["padded"] * case[5] ** 2, row
+        else:
+            assert (row["s2d"] is not None) == (timings["space_to_depth"] < own), row
         measured += 1
     assert measured > 0, report["rows"]
 

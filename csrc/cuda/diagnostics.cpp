@@ -64,15 +64,23 @@ Json padded_channels_json(const cuda::PreparedForward& prepared, const cuda::Fpr
   return plan.via_padded_channels ? Json(prepared.problem.padded_channels()) : Json();
 }
 
-// The regrouping a strided stem ran with when the plan took the space-to-depth way (space_to_depth.h; directly or by
-// the channels_last plan behind NCHW copies): blocks, the regrouped channels and kernel, and the channel count of the
-// regrouped problem's own padded way where it took one; else null.
+// The regrouping a strided stem ran with when the plan took the space-to-depth way (space_to_depth.h): directly, by
+// the channels_last plan behind NCHW copies, or by the plan of the zero-padded problem (float32 C=3 padded to 4 may
+// run regrouped); its blocks, the regrouped channels and kernel, and the channel count of the regrouped problem's own
+// padded way where it took one; else null. (run_plan follows the plans in this order.)
 Json space_to_depth_json(const cuda::PreparedForward& prepared, const cuda::FpropPlan& plan) {
-  const cuda::FpropProblem problem =
-      plan.via_channels_last ? prepared.problem.as_channels_last() : prepared.problem;
-  const cuda::FpropPlan& own = plan.via_channels_last ? *plan.via_channels_last : plan;
+  cuda::FpropProblem problem = prepared.problem;
+  const cuda::FpropPlan* own = &plan;
+  if (own->via_channels_last) {
+    problem = problem.as_channels_last();
+    own = own->via_channels_last.get();
+  }
+  if (own->via_padded_channels) {
+    problem = problem.with_padded_channels();
+    own = own->via_padded_channels.get();
+  }
   const auto g = problem.space_to_depth();
-  if (!own.via_space_to_depth || !g) {
+  if (!own->via_space_to_depth || !g) {
     return Json();
   }
   const cuda::FpropProblem regrouped = problem.with_space_to_depth();
@@ -81,7 +89,7 @@ Json space_to_depth_json(const cuda::PreparedForward& prepared, const cuda::Fpro
       {"channels", g->channels(problem.x_dims[1])},
       {"kernel", {g->kernel_blocks[0], g->kernel_blocks[1]}},
       {"padded_channels",
-       own.via_space_to_depth->via_padded_channels ? Json(regrouped.padded_channels()) : Json()}};
+       own->via_space_to_depth->via_padded_channels ? Json(regrouped.padded_channels()) : Json()}};
 }
 
 Json engine_json(const cuda::EngineChoice& e) {
