@@ -214,7 +214,8 @@ def layer_paths(records: Sequence[dict[str, Any]], phase: str, dtype: torch.dtyp
                 "path": info.get("path"), "engine": (info.get("engine") or {}).get("name"), "cached": info.get("cached"),
                 "activation_fused": (info.get("activation") or {}).get("fused"),
                 "residual_fused": (info.get("residual") or {}).get("fused"),
-                "padded_channels": info.get("padded_channels"), "layout_timings": info.get("layout_timings"),
+                "padded_channels": info.get("padded_channels"), "space_to_depth": info.get("space_to_depth"),
+                "layout_timings": info.get("layout_timings"),
             })  # fmt: skip
             if phase == "train":
                 dy = torch.randn(out_shape, device=device, dtype=dtype).contiguous(memory_format=cl)
