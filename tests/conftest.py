@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -110,3 +116,15 @@ def assert_within_one_ulp(got: torch.Tensor, want: torch.Tensor, what: str, max_
     )
     mismatch = (got64 != want.to(got.dtype).double()).double().mean().item()
     assert mismatch <= max_mismatch, f"{what}: {mismatch:.2e} of the values differ from float64's rounding"
+
+
+def run_script_with_knobs(script: str, *args: str, **knobs: str) -> dict[str, Any]:
+    """`script` (Python source printing one JSON line last) run in a fresh process from the project root, with
+    TORCH_CONVBIAS_<NAME>=value for each knob (knobs are read once per process); its JSON, after checking it exited 0."""
+    env = {**os.environ, **{f"TORCH_CONVBIAS_{name.upper()}": value for name, value in knobs.items()}}
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args], env=env, cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])

@@ -8,21 +8,16 @@ persistent plan cache. Knobs are read once per process: each setting runs in its
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import MODES, assert_close, cuda, math_mode
+from conftest import MODES, assert_close, cuda, math_mode, run_script_with_knobs
 
 import torch_convbias
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # (n, c, hw, k, kernel, stride, padding, dilation, dtype name, activation, channels_last): C=3 in every dtype, C=5 and
 # C=12 (padded to 8 / 16), 11x11 stride 4 (AlexNet's first layer, scaled down), a dilated one, relu / gelu / identity.
@@ -99,12 +94,7 @@ def expected_channels(c: int, mode_name: str) -> int:
 
 
 def run(tuning: str, **knobs: str) -> dict[str, Any]:
-    env = {**os.environ, **{f"TORCH_CONVBIAS_{name.upper()}": value for name, value in knobs.items()}}
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, tuning], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_script_with_knobs(SCRIPT, tuning, **knobs)
 
 
 @cuda
@@ -260,13 +250,7 @@ print(json.dumps(rows))
 
 
 def run_hooks(tuning: str, hooks: list[str], **knobs: str) -> dict[str, Any]:
-    env = {**os.environ, **{f"TORCH_CONVBIAS_{name.upper()}": value for name, value in knobs.items()}}
-    result = subprocess.run(
-        [sys.executable, "-c", HOOK_SCRIPT, tuning, *hooks], env=env, cwd=ROOT, capture_output=True, text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_script_with_knobs(HOOK_SCRIPT, tuning, *hooks, **knobs)
 
 
 @cuda

@@ -11,7 +11,6 @@ the choice survives the persistent plan cache."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cuda
+from conftest import cuda, run_script_with_knobs
 
 import torch_convbias  # noqa: F401 - registers torch.ops.convbias
 
@@ -155,12 +154,7 @@ print(json.dumps({"rows": rows, "cache": torch_convbias.cache_info()}))
 
 
 def run(tuning: str, **knobs: str) -> dict[str, Any]:
-    env = {**os.environ, **{f"TORCH_CONVBIAS_{name.upper()}": value for name, value in knobs.items()}}
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, tuning], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_script_with_knobs(SCRIPT, tuning, **knobs)
 
 
 def regrouped_problem_runs_aten(notes: list[str]) -> bool:
