@@ -171,18 +171,19 @@ def test_forced_way_matches_conv2d_and_is_reported() -> None:
     """TORCH_CONVBIAS_SPACE_TO_DEPTH=on: every case runs regrouped (the NCHW one behind channels_last copies), explain()
     says how, and output and gradients equal float64 F.conv2d."""
     report = run("untimed", space_to_depth="on", nchw="copy")
-    taken = 0
-    for case, row in zip(CASES, report["rows"]):
-        if regrouped_problem_runs_aten(row["notes"]) and case[-1]:
+    taken = []
+    for index, (case, row) in enumerate(zip(CASES, report["rows"])):
+        if regrouped_problem_runs_aten(row["notes"]):  # (an NCHW plan carries its channels_last plan's notes)
             assert row["s2d"] is None, row
             continue
         s2d = row["s2d"]
         assert s2d is not None and {key: s2d[key] for key in ("blocks", "channels", "kernel")} == expected_regrouping(case), row
         assert row["s2d_for_backward"] is not None, row
-        if case[-1]:
-            assert any("regrouped into" in note and "SPACE_TO_DEPTH=on" in note for note in row["notes"]), row
-        taken += 1
-    assert taken >= len(CASES) - 1, report["rows"]
+        assert any("regrouped into" in note and "SPACE_TO_DEPTH=on" in note for note in row["notes"]), row
+        taken.append(index)
+    # Where the regrouped rows are 16-byte multiples (48 bf16, 16 bf16, 12 and 4 float32 channels) a graph runs them;
+    # 12 channels in 16-bit (24-byte rows) may have none untimed (the padded way needs timed choices).
+    assert {0, 2, 3, 4} <= set(taken), report["rows"]
 
 
 @cuda
