@@ -10,9 +10,9 @@ namespace {
 
 constexpr int64_t kMaxStemChannels = 4;
 
-// `t` [A, C, blocks[0]*block[0] - pads..., ...] zero-padded by (before, after) per dimension (negative: cropped), then
-// each block's pixels made channels: a new channels_last [A, C*bh*bw, blocks[0], blocks[1]] tensor, in one copy after
-// the pad. Its storage is [A, blocks[0], blocks[1], C, bh, bw], so channel (c, a, b) = c*bh*bw + a*bw + b.
+// `t` [A, C, H, W] zero-padded by (before, after) per spatial dimension (negative amounts crop) to blocks * block
+// pixels, then each block's pixels made channels: a new channels_last [A, C*bh*bw, blocks[0], blocks[1]] tensor, in one
+// copy after the pad. Its storage is [A, blocks[0], blocks[1], C, bh, bw], so channel (c, a, b) = c*bh*bw + a*bw + b.
 at::Tensor regroup(
     const at::Tensor& t, const std::array<int64_t, 2>& block, const std::array<int64_t, 2>& blocks,
     const std::array<int64_t, 2>& before, const std::array<int64_t, 2>& after) {
