@@ -50,4 +50,10 @@ std::vector<at::Tensor> space_to_depth(
     const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride, at::IntArrayRef padding,
     at::IntArrayRef dilation, int64_t groups);
 
+// Test hook: the original weight's gradient from the regrouped weight's `grad` (cuda/space_to_depth.h) for these
+// arguments; ValueError where the way does not apply.
+at::Tensor space_to_depth_weight_grad(
+    const at::Tensor& grad, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
+    at::IntArrayRef padding);
+
 } // namespace convbias

@@ -115,6 +115,10 @@ TORCH_LIBRARY(convbias, m) {
       "_space_to_depth(Tensor input, Tensor weight, int[2] stride, int[2] padding, int[2] dilation, int groups) "
       "-> Tensor[]",
       &convbias::space_to_depth);
+  // Test hook: the original weight's gradient from the regrouped weight's (cuda/space_to_depth.h).
+  m.def(
+      "_space_to_depth_weight_grad(Tensor grad, Tensor input, Tensor weight, int[2] stride, int[2] padding) -> Tensor",
+      &convbias::space_to_depth_weight_grad);
   // [cuDNN version compiled against, cuDNN version loaded at run time, cuDNN frontend version].
   m.def("_cudnn_versions() -> int[]", &convbias::cudnn_versions);
 }

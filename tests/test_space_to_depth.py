@@ -1,6 +1,6 @@
 """The space-to-depth way (csrc/cuda/space_to_depth.*, TORCH_CONVBIAS_SPACE_TO_DEPTH): a strided stem (at most 4 input
 channels, stride above 1) runs as the stride-1 convolution of its input regrouped into stride-sized blocks, with the
-weight regrouped alike.
+weight regrouped alike; its weight gradient as the regrouped problem's, regrouped back.
 
 On the CPU (the regrouping is device-independent, through the test hook ``convbias::_space_to_depth``): the regrouped
 problem's convolution equals the strided one in float64 (the oracle is the original problem, which shares no code with
@@ -58,6 +58,34 @@ def test_regrouped_convolution_equals_the_strided_one(
     torch.testing.assert_close(F.conv2d(xs, ws, b), F.conv2d(x, w, b, stride, padding), rtol=1e-12, atol=1e-12)
     # Every weight element appears once among the regrouped weight's entries; the rest are the padding's zeros.
     assert torch.equal(ws[ws != 0].sort().values, w[w != 0].sort().values)
+
+
+@pytest.mark.parametrize(
+    ("c", "size", "kernel", "stride", "padding"),
+    [((3, (45, 45), (11, 11), (4, 4), (2, 2))), ((3, (31, 29), (7, 7), (2, 2), (3, 3))), ((1, (22, 23), (5, 3), (3, 2), (0, 1)))],
+)
+def test_the_regrouped_weights_gradient_gives_the_weights(
+    c: int, size: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int]
+) -> None:
+    """Autograd of the regrouped convolution with respect to the regrouped weight, regrouped back
+    (convbias::_space_to_depth_weight_grad), equals autograd of the strided convolution with respect to its weight."""
+    torch.manual_seed(0)
+    x = torch.randn(2, c, *size, dtype=torch.float64)
+    w = torch.randn(5, c, *kernel, dtype=torch.float64, requires_grad=True)
+    xs, ws = regrouped(x, w.detach(), list(stride), list(padding))
+    ws.requires_grad_()
+    seed = torch.randn_like(F.conv2d(x, w.detach(), None, stride, padding))
+    (expected,) = torch.autograd.grad(F.conv2d(x, w, None, stride, padding), w, seed)
+    (regrouped_grad,) = torch.autograd.grad(F.conv2d(xs, ws), ws, seed)
+    actual = torch.ops.convbias._space_to_depth_weight_grad(regrouped_grad, x, w.detach(), list(stride), list(padding))
+    assert actual.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_weight_grad_hook_refuses_problems_without_the_way() -> None:
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+    with pytest.raises(ValueError, match="the space-to-depth way does not apply"):
+        torch.ops.convbias._space_to_depth_weight_grad(torch.randn(4, 3, 3, 3), x, w, [1, 1], [1, 1])
 
 
 def test_any_input_layout_is_regrouped() -> None:
@@ -144,7 +172,10 @@ for n, c, hw, k, r, stride, pad, mode_name, act, channels_last in CASES:
         assert_close(got.detach().cpu().double(), want.detach(), mode, f"case {(n, c, hw, k, r, mode_name, act)}: {what}")
     info = torch_convbias.explain(x, w, b, stride=stride, padding=pad, activation=act)
     trained = torch_convbias.explain(x, w, b, stride=stride, padding=pad, activation=act, for_backward=True)
-    rows.append({"case": [c, r, stride, mode_name, act, channels_last], "s2d": info.get("space_to_depth"),
+    wgrad = torch_convbias.explain_param_grad(dy, x, w, stride=stride, padding=pad)["weight_grad"]
+    rows.append({"s2d_wgrad": wgrad.get("space_to_depth"), "wgrad_notes": wgrad.get("notes", []),
+                 "wgrad_timings": {"s2d": wgrad.get("space_to_depth_ms", -1), "own": wgrad.get("own_way_ms", -1)},
+                 "case": [c, r, stride, mode_name, act, channels_last], "s2d": info.get("space_to_depth"),
                  "s2d_for_backward": trained.get("space_to_depth"), "path": info["path"],
                  "padded": info.get("padded_channels"),
                  "timings": dict(info.get("layout_timings") or []), "notes": info.get("notes", []),
@@ -159,6 +190,13 @@ def run(tuning: str, **knobs: str) -> dict[str, Any]:
 
 def regrouped_problem_runs_aten(notes: list[str]) -> bool:
     return any("regrouped into" in note and "plan is ATen's" in note for note in notes)
+
+
+def weight_grad_applies(case: tuple[Any, ...]) -> bool:
+    """The weight gradient's way: channels_last, x's channel rows misaligned and the regrouped ones 16-byte multiples."""
+    _, c, _, _, _, stride, _, mode_name, _, channels_last = case
+    size = {"bfloat16": 2, "float16": 2, "float32": 4}[mode_name]
+    return channels_last and (c * size) % 16 != 0 and (c * stride * stride * size) % 16 == 0
 
 
 def expected_regrouping(case: tuple[Any, ...]) -> dict[str, Any]:
@@ -184,6 +222,14 @@ def test_forced_way_matches_conv2d_and_is_reported() -> None:
     # Where the regrouped rows are 16-byte multiples (48 bf16, 16 bf16, 12 and 4 float32 channels) a graph runs them;
     # 12 channels in 16-bit (24-byte rows) may have none untimed (the padded way needs timed choices).
     assert {0, 2, 3, 4} <= set(taken), report["rows"]
+    # The weight gradient (checked against float64 by the script): regrouped wherever its way applies and a graph runs
+    # the regrouped problem.
+    for case, row in zip(CASES, report["rows"]):
+        if not weight_grad_applies(case):
+            assert row["s2d_wgrad"] is None, row
+        elif not regrouped_problem_runs_aten(row["wgrad_notes"]):
+            assert row["s2d_wgrad"] == expected_regrouping(case), row
+    assert sum(row["s2d_wgrad"] is not None for row in report["rows"]) >= 3, report["rows"]
 
 
 @cuda
@@ -210,6 +256,16 @@ def test_timed_choice_measures_both_ways_and_keeps_the_faster() -> None:
             assert (row["s2d"] is not None) == (timings["space_to_depth"] < own), row
         measured += 1
     assert measured > 0, report["rows"]
+    wgrad_measured = 0
+    for case, row in zip(CASES, report["rows"]):
+        timings = row["wgrad_timings"]
+        if not weight_grad_applies(case) or regrouped_problem_runs_aten(row["wgrad_notes"]):
+            assert row["s2d_wgrad"] is None, row
+            continue
+        assert timings["s2d"] > 0 and timings["own"] > 0, row
+        assert (row["s2d_wgrad"] is not None) == (timings["s2d"] < timings["own"]), row
+        wgrad_measured += 1
+    assert wgrad_measured > 0, report["rows"]
 
 
 @cuda
@@ -221,6 +277,7 @@ def test_untimed_and_off_run_the_problem_its_own_way() -> None:
         for row in report["rows"]:
             assert row["s2d"] is None and row["s2d_for_backward"] is None, (tuning, row)
             assert "space_to_depth" not in row["timings"], (tuning, row)
+            assert row["s2d_wgrad"] is None and row["wgrad_timings"]["s2d"] == -1, (tuning, row)
 
 
 @cuda
@@ -232,7 +289,7 @@ def test_regrouped_plan_is_stored_and_loaded(tmp_path: Path) -> None:
     second = run("benchmark", space_to_depth="on", plan_cache_dir=str(tmp_path))
     assert second["cache"]["disk_hits"] > 0, second["cache"]
     for before, after in zip(first["rows"], second["rows"]):
-        assert after["s2d"] == before["s2d"], (before, after)
+        assert after["s2d"] == before["s2d"] and after["s2d_wgrad"] == before["s2d_wgrad"], (before, after)
         if after["s2d"] is not None and after["case"][-1]:
             assert any("loaded from the persistent plan cache" in note for note in after["notes"]), after
 

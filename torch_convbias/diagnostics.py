@@ -126,7 +126,9 @@ def explain_param_grad(
     ``plan_build_seconds``, ``graph_ms`` / ``aten_ms`` (both measured once per key when timing is allowed, the
     faster kept; -1 when not measured), ``padded_channels`` (the input channel count the gradient ran with on a
     zero-padded copy of the input, ``TORCH_CONVBIAS_PAD_CHANNELS``; null when as it is) with ``padded_ms`` / ``as_is_ms``
-    (the two ways, when measured), ``engine`` as in :func:`explain`, and ``batch_parts`` as there (the parts' weight
+    (the two ways, when measured), ``space_to_depth`` (a strided stem's gradient computed as the regrouped problem's,
+    ``TORCH_CONVBIAS_SPACE_TO_DEPTH``: ``blocks``, ``channels``, ``kernel``; null otherwise) with ``space_to_depth_ms``
+    / ``own_way_ms``, ``engine`` as in :func:`explain`, and ``batch_parts`` as there (the parts' weight
     gradients summed, in FP32 for half-precision weights). ``input_grad``: the path, problem, timings, notes and engine for the input gradient that autograd computes when the input requires grad (``cudnn graph``: a
     conv_dgrad graph, only under ``TORCH_CONVBIAS_INPUT_GRAD=timed`` with choices timed and where it measured faster,
     or wherever it builds under ``TORCH_CONVBIAS_INPUT_GRAD=graph``; ``aten``). ``bias_grad``: ``way`` (``kernel``:

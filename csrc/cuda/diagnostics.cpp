@@ -239,6 +239,14 @@ std::string explain_param_grad_cuda(
     weight_grad["padded_channels"] = plan.via_padded_channels ? Json(weight_route.problem.padded_channels()) : Json();
     weight_grad["padded_ms"] = number(plan.padded_ms);
     weight_grad["as_is_ms"] = number(plan.as_is_ms);
+    // Or, a strided stem's, as the regrouped problem (space_to_depth.h).
+    const auto g = plan.via_space_to_depth ? weight_route.problem.space_to_depth() : std::nullopt;
+    weight_grad["space_to_depth"] = g ? Json{{"blocks", {g->block[0], g->block[1]}},
+                                             {"channels", g->channels(weight_route.problem.x_dims[1])},
+                                             {"kernel", {g->kernel_blocks[0], g->kernel_blocks[1]}}}
+                                      : Json();
+    weight_grad["space_to_depth_ms"] = number(plan.space_to_depth_ms);
+    weight_grad["own_way_ms"] = number(plan.own_way_ms);
   }
   if (part) {
     weight_grad["notes"].insert(weight_grad["notes"].begin(), cuda::batch_parts_note(input.size(0), *part));
@@ -497,6 +505,16 @@ std::vector<at::Tensor> space_to_depth(
     return {};
   }
   return {cuda::space_to_depth_input(input, *g), cuda::space_to_depth_weight(weight, *g)};
+}
+
+at::Tensor space_to_depth_weight_grad(
+    const at::Tensor& grad, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
+    at::IntArrayRef padding) {
+  const ConvParams params = check_forward_args(input, weight, std::nullopt, stride, padding, {1, 1}, 1);
+  const auto dims = [](const at::Tensor& t) { return std::array<int64_t, 4>{t.size(0), t.size(1), t.size(2), t.size(3)}; };
+  const auto g = cuda::space_to_depth_of(dims(input), dims(weight), output_size(input, weight, params), params);
+  TORCH_CHECK_VALUE(g, "_space_to_depth_weight_grad: the space-to-depth way does not apply to these arguments");
+  return cuda::weight_grad_from_space_to_depth(grad, *g, {weight.size(2), weight.size(3)});
 }
 
 std::string plan_cache_stats() {

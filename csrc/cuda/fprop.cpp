@@ -668,11 +668,7 @@ std::shared_ptr<const FpropPlan> consider_space_to_depth(
   if (!g || knob == "off" || (knob != "on" && (current_tuning(p.flags) == Tuning::Untimed || chosen->transient))) {
     return chosen;
   }
-  std::ostringstream describe;
-  describe << "input regrouped into " << g->block[0] << "x" << g->block[1] << " blocks (" << x.size(1) << " -> "
-           << g->channels(x.size(1)) << " channels, a " << g->kernel_blocks[0] << "x" << g->kernel_blocks[1]
-           << " kernel at stride 1)";
-  const std::string note = describe.str();
+  const std::string note = space_to_depth_note(*g, x.size(1));
   auto own = std::make_shared<FpropPlan>(*chosen);
   try {
     const FpropProblem q = p.with_space_to_depth();

@@ -31,6 +31,12 @@ struct GradGraphPlan {
   std::shared_ptr<const GradGraphPlan> via_padded_channels;
   float padded_ms = -1;
   float as_is_ms = -1;
+  // Weight gradient only: taken when the strided stem's regrouped problem (space_to_depth.h) measured faster (the
+  // regroupings included) or TORCH_CONVBIAS_SPACE_TO_DEPTH=on: that problem's plan, run on the regrouped x into a dw
+  // of the regrouped weight's shape, regrouped back; space_to_depth_ms / own_way_ms: the two ways, when measured.
+  std::shared_ptr<const GradGraphPlan> via_space_to_depth;
+  float space_to_depth_ms = -1;
+  float own_way_ms = -1;
 };
 
 // The plan-cache key of a gradient graph: `kind` (2: weight gradient, 4: input gradient), dtype, device (fields[2],

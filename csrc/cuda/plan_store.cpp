@@ -43,7 +43,8 @@ namespace fs = std::filesystem;
 //    weight gradient's also "padded_ms" / "as_is_ms"), the PAD_CHANNELS knob.
 // 8: engines that down-convert their inputs are never chosen (graph_common.cpp): a float32 plan chosen under TF32
 //    before may be one.
-// 9: "via_space_to_depth" in forward records (a strided stem run over its regrouped input), the SPACE_TO_DEPTH knob.
+// 9: "via_space_to_depth" in forward and weight-gradient records (a strided stem run over its regrouped input; the
+//    weight gradient's also "space_to_depth_ms" / "own_way_ms"), the SPACE_TO_DEPTH knob.
 constexpr int64_t kFormatVersion = 9;
 constexpr char kMagic[8] = {'C', 'V', 'B', 'P', 'L', 'A', 'N', '1'};
 

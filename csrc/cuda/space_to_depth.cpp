@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <limits>
+#include <sstream>
 
 namespace convbias::cuda {
 
@@ -68,6 +69,26 @@ at::Tensor space_to_depth_weight(const at::Tensor& w, const SpaceToDepth& g) {
   const std::array<int64_t, 2> after{
       g.kernel_blocks[0] * g.block[0] - w.size(2), g.kernel_blocks[1] * g.block[1] - w.size(3)};
   return regroup(w, g.block, g.kernel_blocks, {0, 0}, after);
+}
+
+at::Tensor weight_grad_from_space_to_depth(
+    const at::Tensor& grad, const SpaceToDepth& g, const std::array<int64_t, 2>& kernel) {
+  const int64_t k = grad.size(0), c = grad.size(1) / (g.block[0] * g.block[1]);
+  const int64_t rb = g.kernel_blocks[0], sb = g.kernel_blocks[1];
+  // [K, C*bh*bw, rb, sb] as [K, C, bh, bw, rb, sb] (any layout: splitting a dimension is a view), to [K, C, rb, bh, sb,
+  // bw]: rows u*bh + a, columns v*bw + b of the whole-block kernel.
+  const at::Tensor whole = grad.view({k, c, g.block[0], g.block[1], rb, sb})
+                               .permute({0, 1, 4, 2, 5, 3})
+                               .reshape({k, c, rb * g.block[0], sb * g.block[1]});
+  return whole.narrow(2, 0, kernel[0]).narrow(3, 0, kernel[1]).contiguous(at::MemoryFormat::ChannelsLast);
+}
+
+std::string space_to_depth_note(const SpaceToDepth& g, int64_t channels) {
+  std::ostringstream note;
+  note << "input regrouped into " << g.block[0] << "x" << g.block[1] << " blocks (" << channels << " -> "
+       << g.channels(channels) << " channels, a " << g.kernel_blocks[0] << "x" << g.kernel_blocks[1]
+       << " kernel at stride 1)";
+  return note.str();
 }
 
 } // namespace convbias::cuda

@@ -16,6 +16,7 @@
 
 #include <array>
 #include <optional>
+#include <string>
 
 #include "conv_args.h"
 
@@ -47,5 +48,14 @@ at::Tensor space_to_depth_input(const at::Tensor& x, const SpaceToDepth& g);
 
 // w [K, C, R, S] regrouped: a new channels_last [K, C*sh*sw, kernel_blocks...] tensor, zeros past the kernel.
 at::Tensor space_to_depth_weight(const at::Tensor& w, const SpaceToDepth& g);
+
+// The gradient of the original weight [K, C, `kernel`] from the regrouped weight's `grad` (channels_last [K, C*sh*sw,
+// kernel_blocks...]): the regrouping undone, the entries of the blocks' zero padding dropped (no weight's). A new
+// channels_last tensor.
+at::Tensor weight_grad_from_space_to_depth(
+    const at::Tensor& grad, const SpaceToDepth& g, const std::array<int64_t, 2>& kernel);
+
+// "input regrouped into 4x4 blocks (3 -> 48 channels, a 3x3 kernel at stride 1)": the note a plan carries.
+std::string space_to_depth_note(const SpaceToDepth& g, int64_t channels);
 
 } // namespace convbias::cuda

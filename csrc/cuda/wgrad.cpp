@@ -145,19 +145,103 @@ std::shared_ptr<const WgradPlan> consider_padded_channels(
   });
 }
 
+// dw of the regrouped problem q: channels_last, uninitialised.
+at::Tensor regrouped_dw(const WgradProblem& q, const at::Tensor& dw) {
+  return at::empty(q.w_dims, dw.options().memory_format(at::MemoryFormat::ChannelsLast));
+}
+
+// One weight gradient of `p` the way `plan` runs it, as a call does (copies included): the graph as it is, on padded
+// copies, on the regrouped problem, or ATen's. For timing one way against another.
+void run_way(const WgradPlan& plan, const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw) {
+  const auto describe = [](const WgradProblem& q) { return [&q] { return "conv_wgrad graph for " + q.describe(); }; };
+  if (plan.via_padded_channels) {
+    const int64_t channels = p.padded_channels();
+    const WgradProblem q = p.with_padded_channels();
+    const at::Tensor x_padded = pad_channels(x, channels), dw_padded = padded_dw(dw, channels);
+    VariantPack pack = variant_pack(x_padded, dy, dw_padded);
+    execute_plan(*plan.graph, plan.engine, pack, x.options(), describe(q));
+    (void)with_layout(dw_padded.narrow(1, 0, p.w_dims[1]), at::MemoryFormat::ChannelsLast);
+  } else if (plan.via_space_to_depth) {
+    const auto g = p.space_to_depth();
+    TORCH_INTERNAL_ASSERT(g);
+    const WgradProblem q = p.with_space_to_depth();
+    const at::Tensor x_regrouped = space_to_depth_input(x, *g), dw_regrouped = regrouped_dw(q, dw);
+    VariantPack pack = variant_pack(x_regrouped, dy, dw_regrouped);
+    execute_plan(*plan.graph, plan.engine, pack, x.options(), describe(q));
+    (void)weight_grad_from_space_to_depth(dw_regrouped, *g, {p.w_dims[2], p.w_dims[3]});
+  } else if (plan.graph) {
+    VariantPack pack = variant_pack(x, dy, dw);
+    execute_plan(*plan.graph, plan.engine, pack, x.options(), describe(p));
+  } else {
+    const ConvParams& c = p.params;
+    (void)at::convolution_backward(
+        dy, x, dw, std::nullopt, c.stride, c.padding, c.dilation, /*transposed=*/false, {0, 0}, c.groups,
+        {false, true, false});
+  }
+}
+
+// As the forward's (fprop.cpp): a strided stem's weight gradient also runs as the regrouped problem's (the regrouped
+// x, dw regrouped back); timed, both complete ways are measured and the faster kept; untimed, its own way;
+// TORCH_CONVBIAS_SPACE_TO_DEPTH=on / off: always (where its graph builds) / never. Whatever stops the regrouped way
+// leaves the problem its own way, with the reason in the notes.
+std::shared_ptr<const WgradPlan> consider_space_to_depth(
+    const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw,
+    std::shared_ptr<const WgradPlan> chosen) {
+  const auto g = p.space_to_depth();
+  const std::string& knob = knobs().space_to_depth;
+  if (!g || knob == "off" || (knob != "on" && (current_tuning(p.flags) == Tuning::Untimed || chosen->transient))) {
+    return chosen;
+  }
+  const std::string note = space_to_depth_note(*g, p.x_dims[1]);
+  auto own = std::make_shared<WgradPlan>(*chosen);
+  try {
+    const WgradProblem q = p.with_space_to_depth();
+    const std::shared_ptr<const WgradPlan> regrouped =
+        wgrad_plan(q, space_to_depth_input(x, *g), dy, regrouped_dw(q, dw), nullptr, nullptr);
+    if (!regrouped->graph) {
+      own->notes.push_back(note + " not taken: that problem's plan is ATen's weight gradient");
+      return own;
+    }
+    auto plan = std::make_shared<WgradPlan>(*regrouped);
+    plan->via_space_to_depth = regrouped;
+    plan->via_padded_channels = nullptr;
+    if (knob == "on") {
+      plan->notes.push_back(note + " (TORCH_CONVBIAS_SPACE_TO_DEPTH=on)");
+      return plan;
+    }
+    const float own_ms = time_on_stream([&] { run_way(*own, p, x, dy, dw); });
+    const float regrouped_ms = time_on_stream([&] { run_way(*plan, p, x, dy, dw); });
+    std::ostringstream measured;
+    measured << regrouped_ms << " ms against " << own_ms << " ms";
+    auto& kept = regrouped_ms < own_ms ? plan : own;
+    kept->notes.push_back(note + (kept == plan ? ": measured faster, " : " measured slower: ") + measured.str());
+    kept->space_to_depth_ms = regrouped_ms;
+    kept->own_way_ms = own_ms;
+    return kept;
+  } catch (const c10::OutOfMemoryError&) {
+    own->transient = true;
+    own->notes.push_back(note + " not tried: out of memory for the regrouped copies");
+  } catch (const c10::Error& error) {
+    const std::string what = error.what_without_backtrace();
+    own->notes.push_back(note + " failed, the problem runs its own way: " + what.substr(0, what.find('\n')));
+  }
+  return own;
+}
+
 std::shared_ptr<const WgradPlan> build_plan(
     const WgradProblem& p, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dw) {
-  return consider_padded_channels(p, x, dy, dw, build_plan_as_is(p, x, dy, dw));
+  return consider_space_to_depth(p, x, dy, dw, consider_padded_channels(p, x, dy, dw, build_plan_as_is(p, x, dy, dw)));
 }
 
 std::optional<plan_store::Json> plan_record(const WgradPlan& plan) {
   plan_store::Json r{
       {"graph_ms", plan.graph_ms}, {"aten_ms", plan.aten_ms}, {"notes", plan.notes},
       {"via_padded_channels", plan.via_padded_channels != nullptr}, {"padded_ms", plan.padded_ms},
-      {"as_is_ms", plan.as_is_ms}};
-  // A plan run on padded copies stores its choice only: the padded problem's plan is stored under its own key.
-  return plan_store::put_graph(r, plan.via_padded_channels ? nullptr : plan.graph, plan.engine) ? std::optional(r)
-                                                                                                 : std::nullopt;
+      {"as_is_ms", plan.as_is_ms}, {"via_space_to_depth", plan.via_space_to_depth != nullptr},
+      {"space_to_depth_ms", plan.space_to_depth_ms}, {"own_way_ms", plan.own_way_ms}};
+  // A plan run on padded or regrouped copies stores its choice only: the plan it runs is stored under its own key.
+  const bool own_graph = !plan.via_padded_channels && !plan.via_space_to_depth;
+  return plan_store::put_graph(r, own_graph ? plan.graph : nullptr, plan.engine) ? std::optional(r) : std::nullopt;
 }
 
 // The plan a record describes, or null when it does not fit (a padded choice looks up, loads or builds the padded
@@ -176,6 +260,19 @@ std::shared_ptr<const WgradPlan> plan_from_record(
     }
     plan = std::make_shared<WgradPlan>(*via);
     plan->via_padded_channels = via;
+  } else if (r.at("via_space_to_depth").get<bool>()) {
+    const auto g = p.space_to_depth();
+    if (!g) {
+      return nullptr;
+    }
+    const WgradProblem q = p.with_space_to_depth();
+    auto via = wgrad_plan(q, space_to_depth_input(x, *g), dy, regrouped_dw(q, dw), nullptr, nullptr);
+    if (!via->graph) {
+      return nullptr;
+    }
+    plan = std::make_shared<WgradPlan>(*via);
+    plan->via_space_to_depth = via;
+    plan->via_padded_channels = nullptr;
   } else {
     plan = std::make_shared<WgradPlan>();
     std::string why;
@@ -188,6 +285,8 @@ std::shared_ptr<const WgradPlan> plan_from_record(
   plan->aten_ms = r.at("aten_ms").get<float>();
   plan->padded_ms = r.at("padded_ms").get<float>();
   plan->as_is_ms = r.at("as_is_ms").get<float>();
+  plan->space_to_depth_ms = r.at("space_to_depth_ms").get<float>();
+  plan->own_way_ms = r.at("own_way_ms").get<float>();
   plan->notes = r.at("notes").get<std::vector<std::string>>();
   plan->notes.push_back("loaded from the persistent plan cache");
   return plan;
@@ -227,6 +326,28 @@ WgradProblem WgradProblem::with_padded_channels() const {
   WgradProblem p = *this;
   p.x_dims[1] = channels;
   p.w_dims[1] = channels;
+  p.alignments[0] = 16;
+  p.alignments[2] = 16;
+  return p;
+}
+
+std::optional<SpaceToDepth> WgradProblem::space_to_depth() const {
+  const int64_t size = c10::elementSize(dtype);
+  auto g = space_to_depth_of(x_dims, w_dims, dy_dims, params);
+  if (!g || (x_dims[1] * size) % 16 == 0 || (g->channels(x_dims[1]) * size) % 16 != 0) {
+    return std::nullopt;
+  }
+  return g;
+}
+
+WgradProblem WgradProblem::with_space_to_depth() const {
+  const auto g = space_to_depth();
+  TORCH_INTERNAL_ASSERT(g);
+  WgradProblem p = *this;
+  p.x_dims = {x_dims[0], g->channels(x_dims[1]), g->input_blocks[0], g->input_blocks[1]};
+  p.w_dims = {w_dims[0], g->channels(w_dims[1]), g->kernel_blocks[0], g->kernel_blocks[1]};
+  p.params.stride = {1, 1};
+  p.params.padding = {0, 0};
   p.alignments[0] = 16;
   p.alignments[2] = 16;
   return p;
@@ -272,6 +393,11 @@ WeightGradRoute route_weight_grad(
     const int64_t channels = p.padded_channels();
     route.x = pad_channels(route.x, channels);
     route.dw = padded_dw(route.dw, channels);
+  } else if (route.plan->via_space_to_depth) {
+    const auto g = p.space_to_depth();
+    TORCH_INTERNAL_ASSERT(g);
+    route.x = space_to_depth_input(route.x, *g);
+    route.dw = regrouped_dw(p.with_space_to_depth(), route.dw);
   }
   return route;
 }
@@ -282,7 +408,14 @@ at::Tensor run_weight_grad(const WeightGradRoute& route, const at::Tensor& weigh
   execute_plan(*route.plan->graph, route.plan->engine, pack, route.x.options(), [&] {
     return "conv_wgrad graph for " + route.problem.describe();
   });
-  // On padded copies the gradient is the first C channels of the padded dw (the others belong to the zeros of x).
+  // On padded copies the gradient is the first C channels of the padded dw (the others belong to the zeros of x); on
+  // the regrouped problem, its dw regrouped back.
+  if (route.plan->via_space_to_depth) {
+    const auto g = route.problem.space_to_depth();
+    TORCH_INTERNAL_ASSERT(g);
+    return with_layout(
+        weight_grad_from_space_to_depth(route.dw, *g, {weight.size(2), weight.size(3)}), memory_format_of(weight));
+  }
   const at::Tensor dw = route.plan->via_padded_channels ? route.dw.narrow(1, 0, weight.size(1)) : route.dw;
   return with_layout(dw, memory_format_of(weight));
 }

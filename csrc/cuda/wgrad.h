@@ -13,6 +13,7 @@
 #include "cuda/grad_graph.h"
 #include "cuda/graph_common.h"
 #include "cuda/plan_lookup.h"
+#include "cuda/space_to_depth.h"
 
 namespace convbias::cuda {
 
@@ -30,6 +31,11 @@ struct WgradProblem {
   // padded channels too, the extra ones discarded), or 0 where that way does not apply (pad_channels.h).
   int64_t padded_channels() const;
   WgradProblem with_padded_channels() const; // on those copies (fresh, 16-byte aligned)
+  // The forward's regrouping of a strided stem (space_to_depth.h), or nullopt: besides space_to_depth_of's conditions,
+  // only where x's channel rows need padding and the regrouped ones do not (bf16 RGB: 3 -> 48 channels), so that the
+  // padded and the regrouped ways never run one inside the other.
+  std::optional<SpaceToDepth> space_to_depth() const;
+  WgradProblem with_space_to_depth() const; // the regrouped problem (fresh, 16-byte aligned x and dw; the same dy)
 };
 
 // The weight gradient's plan: the conv_wgrad graph, or ATen's weight gradient where no graph builds or it measured
@@ -44,7 +50,8 @@ struct WeightGradRoute {
   std::optional<std::string> aten_reason;
   WgradProblem problem;
   // channels_last and 16-byte aligned; dw allocated for the graph to write. With the plan's via_padded_channels, x and
-  // dw have problem.padded_channels() channels (x zero-padded).
+  // dw have problem.padded_channels() channels (x zero-padded); with its via_space_to_depth, x is regrouped and dw has
+  // the regrouped weight's shape (problem.with_space_to_depth()).
   at::Tensor dy, x, dw;
   // The cached plan; without a graph in it ATen runs (no graph builds, or ATen was measured faster: see notes).
   std::shared_ptr<const WgradPlan> plan;
