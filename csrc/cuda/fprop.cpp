@@ -1048,10 +1048,9 @@ FpropProblem FpropProblem::with_space_to_depth() const {
   const auto g = space_to_depth();
   TORCH_INTERNAL_ASSERT(g);
   FpropProblem p = *this;
-  p.x_dims = {x_dims[0], g->channels(x_dims[1]), g->input_blocks[0], g->input_blocks[1]};
-  p.w_dims = {w_dims[0], g->channels(w_dims[1]), g->kernel_blocks[0], g->kernel_blocks[1]};
-  p.params.stride = {1, 1};
-  p.params.padding = {0, 0};
+  p.x_dims = g->input_dims(x_dims);
+  p.w_dims = g->weight_dims(w_dims);
+  p.params = g->params(params);
   p.alignments[0] = 16;
   p.alignments[1] = 16;
   return p;

@@ -32,6 +32,18 @@ struct SpaceToDepth {
   std::array<int64_t, 2> before, after;
 
   int64_t channels(int64_t c) const { return c * block[0] * block[1]; }
+  // The regrouped problem's input and weight dims, from the original's, and its parameters (stride 1, no padding).
+  std::array<int64_t, 4> input_dims(const std::array<int64_t, 4>& x) const {
+    return {x[0], channels(x[1]), input_blocks[0], input_blocks[1]};
+  }
+  std::array<int64_t, 4> weight_dims(const std::array<int64_t, 4>& w) const {
+    return {w[0], channels(w[1]), kernel_blocks[0], kernel_blocks[1]};
+  }
+  ConvParams params(ConvParams p) const {
+    p.stride = {1, 1};
+    p.padding = {0, 0};
+    return p;
+  }
 };
 
 // The regrouping of a channels_last convolution of x [N, C, H, W] by w [K, C, R, S] into y [N, K, P, Q], or nullopt where
