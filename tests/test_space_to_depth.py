@@ -152,9 +152,12 @@ for n, c, hw, k, r, stride, pad, mode_name, act, channels_last in CASES:
     mode = MODES[mode_name]
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     g = torch.Generator(device="cuda").manual_seed(n * 100 + c * 10 + r)
-    x = torch.randn(n, c, hw, hw, device="cuda", generator=g).to(mode.dtype).contiguous(memory_format=fmt)
+    # empty_like(memory_format=...).copy_: a grey (C=1) batch made by .contiguous(memory_format=channels_last) keeps
+    # its NCHW strides (it counts as contiguous both ways), which ATen and the op read as NCHW.
+    x = torch.randn(n, c, hw, hw, device="cuda", generator=g).to(mode.dtype)
+    x = torch.empty_like(x, memory_format=fmt).copy_(x)
     w = (torch.randn(k, c, r, r, device="cuda", generator=g) / (c * r * r) ** 0.5).to(mode.dtype)
-    w = w.contiguous(memory_format=fmt)
+    w = torch.empty_like(w, memory_format=fmt).copy_(w)
     b = torch.randn(k, device="cuda", generator=g).to(mode.dtype)
     leaves = [t.detach().requires_grad_(True) for t in (x, w, b)]
     y = torch_convbias.conv_bias2d(*leaves, stride=stride, padding=pad, activation=act)
