@@ -1,0 +1,188 @@
+"""Probe (issue 14): a model's training step one convolution at a time, ours against nn.Conv2d's.
+
+``bench_models`` times whole steps; where the backend's step is not faster by the target (AlexNet fp32 training:
+1.07x of 1.10x on the H100 at eba1f4e) its kernel list says only which kinds of kernels differ. This probe runs
+each convolution layer of the model (with its ReLU, on the model's shapes at the row's batch) as one layer of a
+training step, on both sides:
+
+===========  =====================================================================================================
+nn           ``F.relu(F.conv2d(x, w, b, ...))`` and its backward (weight, bias and, but for the stem, input gradients)
+ours         ``torch_convbias.functional.conv_bias2d(..., activation="relu")`` and its backward: the ops the
+             backend rewrites ``nn.Conv2d`` + ReLU into (the timed choices of ``cudnn.benchmark`` included)
+===========  =====================================================================================================
+
+Per layer: GPU time per step (profiler kernel sums over ``--calls`` steps) and its largest kernels, back-to-back rates,
+the gradients and output checked against float64, and how the op ran the layer (explain(): forward path and engine,
+regrouped or padded input, the weight gradient's path and engine). Under ``cudnn.benchmark`` with the mode's TF32
+flags, as ``bench_models`` runs. ``python -m bench.probe_layers --model alexnet --modes fp32 [--batch 512]``;
+``--device cpu --tiny`` is the CPU smoke test's (tests/test_probe_layers.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import common
+
+NAME = "layers"
+# Per model: (C, H=W, K, kernel, stride, padding) of each convolution at a 224x224 input, in order; the first (the
+# stem) takes no input gradient in a training step.
+MODELS: dict[str, list[tuple[int, int, int, int, int, int]]] = {
+    "alexnet": [(3, 224, 64, 11, 4, 2), (64, 27, 192, 5, 1, 2), (192, 13, 384, 3, 1, 1), (384, 13, 256, 3, 1, 1),
+                (256, 13, 256, 3, 1, 1)],
+    "vgg11": [(3, 224, 64, 3, 1, 1), (64, 112, 128, 3, 1, 1), (128, 56, 256, 3, 1, 1), (256, 56, 256, 3, 1, 1),
+              (256, 28, 512, 3, 1, 1), (512, 28, 512, 3, 1, 1), (512, 14, 512, 3, 1, 1), (512, 14, 512, 3, 1, 1)],
+    "tiny": [(3, 17, 4, 5, 2, 1), (4, 8, 6, 3, 1, 1)],
+}  # fmt: skip
+DEFAULT_BATCH = {"alexnet": 512, "vgg11": 128, "tiny": 2}
+SIDES = ("nn", "ours")
+TOP_KERNELS = 6
+
+
+def say(*parts: object) -> None:
+    print(time.strftime("%H:%M:%S"), *parts, flush=True)
+
+
+def _top(kernels: dict[str, float] | None, calls: int) -> dict[str, float] | None:
+    """The largest kernels (ms per step), the rest summed as "other"."""
+    if kernels is None:
+        return None
+    items = list(kernels.items())
+    top = {name[:160]: ms / calls for name, ms in items[:TOP_KERNELS]}
+    rest = sum(ms for _, ms in items[TOP_KERNELS:]) / calls
+    return {**top, "other": rest} if rest else top
+
+
+def measure_layer(index: int, layer: tuple[int, ...], batch: int, mode: common.Mode, args: argparse.Namespace) -> dict[str, Any]:
+    from torch_convbias import explain, explain_param_grad
+    from torch_convbias.functional import conv_bias2d
+
+    c, side, k, kernel, stride, padding = layer
+    device = args.device
+    cl = torch.channels_last
+    generator = torch.Generator(device=device).manual_seed(index)
+    out = (side + 2 * padding - kernel) // stride + 1
+
+    def draw(*size: int, scale: float = 1.0) -> torch.Tensor:
+        t = (torch.randn(*size, generator=generator, device=device) * scale).to(mode.dtype)
+        return t.contiguous(memory_format=cl) if t.dim() == 4 else t
+
+    needs_input_grad = index > 0
+    x = draw(batch, c, side, side).requires_grad_(needs_input_grad)
+    w = draw(k, c, kernel, kernel, scale=(c * kernel * kernel) ** -0.5).requires_grad_()
+    b = draw(k).requires_grad_()
+    dy = draw(batch, k, out, out)
+    inputs = (x, w, b) if needs_input_grad else (w, b)
+    strides, paddings = [stride, stride], [padding, padding]
+    forwards: dict[str, Callable[[], torch.Tensor]] = {
+        "nn": lambda: F.relu(F.conv2d(x, w, b, strides, paddings)),
+        "ours": lambda: conv_bias2d(x, w, b, strides, paddings, activation="relu"),
+    }
+
+    def step(forward: Callable[[], torch.Tensor]) -> Callable[[], Any]:
+        return lambda: torch.autograd.grad(forward(), inputs, dy)
+
+    steps = {name: step(forward) for name, forward in forwards.items()}
+    row: dict[str, Any] = {"layer": index, "input": [batch, c, side, side], "weight": [k, c, kernel, kernel],
+                           "stride": stride, "padding": padding, "mode": mode.name}  # fmt: skip
+    # The float64 oracle: autograd over F.conv2d on the same values in float64 (no code of ours).
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    y64 = F.relu(F.conv2d(x64, w64, b64, strides, paddings))
+    expected = (y64.detach(), *torch.autograd.grad(y64, (x64, w64, b64) if needs_input_grad else (w64, b64), dy.double()))
+    terms = {"output": c * kernel * kernel, "weight": batch * out * out, "bias": batch * out * out, "input": k * kernel * kernel}
+    names = ("output", "input", "weight", "bias") if needs_input_grad else ("output", "weight", "bias")
+    row["numerics"] = {}
+    for side_name, forward in forwards.items():
+        y = forward()
+        actual = (y.detach(), *torch.autograd.grad(y, inputs, dy))
+        for name, got, want in zip(names, actual, expected):
+            row["numerics"][f"{side_name}_{name}"] = common.check_against_float64(got, want, mode, terms[name])
+    row["numerics_passed"] = all(check.get("passed") for check in row["numerics"].values())
+    for _ in range(args.warmup):
+        for fn in steps.values():
+            fn()
+    kernels = {name: common.gpu_kernels([fn] * args.calls, device) for name, fn in steps.items()}
+    row["gpu_ms"] = {name: (sum(k.values()) / args.calls if k is not None else None) for name, k in kernels.items()}
+    row["gpu_kernels"] = {name: _top(k, args.calls) for name, k in kernels.items()}
+    row["back_to_back"] = common.time_back_to_back(steps, args.calls, args.repeats, device)
+    gpu = row["gpu_ms"]
+    rate = {name: timing["median_ms"] for name, timing in row["back_to_back"].items()}
+    row["nn_over_ours_gpu"] = gpu["nn"] / gpu["ours"] if gpu["nn"] and gpu["ours"] else None
+    row["nn_over_ours_rate"] = rate["nn"] / rate["ours"]
+    with torch.no_grad():
+        info = explain(x.detach(), w.detach(), b.detach(), stride=strides, padding=paddings, activation="relu",
+                       for_backward=True)  # fmt: skip
+        grad = explain_param_grad(dy, x.detach(), w.detach(), stride=strides, padding=paddings)["weight_grad"]
+    row["paths"] = {
+        "forward": info.get("path"), "engine": (info.get("engine") or {}).get("name"),
+        "space_to_depth": info.get("space_to_depth"), "padded_channels": info.get("padded_channels"),
+        "layout_timings": info.get("layout_timings"),
+        "weight_grad": grad.get("path"), "weight_grad_engine": (grad.get("engine") or {}).get("name"),
+    }  # fmt: skip
+    return row
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="alexnet", choices=[m for m in MODELS if m != "tiny"])
+    parser.add_argument("--batch", type=int, default=None, help="default: the model's training batch of bench_models")
+    parser.add_argument("--modes", nargs="+", default=["fp32"], choices=list(common.modes()))
+    parser.add_argument("--layers", type=int, nargs="*", default=None, help="indices of the model's convolutions")
+    parser.add_argument("--tiny", action="store_true", help="two tiny layers (smoke tests) instead of the model's")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    common.add_timing_arguments(parser, warmup=3, iters=1, calls=10, repeats=5)
+    parser.add_argument("--budget", type=float, default=300.0, help="seconds; layers stop once exceeded")
+    parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("probe_layers: needs a CUDA GPU (or --device cpu)")
+        return 2
+    import torch_convbias  # noqa: F401 - registers torch.ops.convbias
+
+    model = "tiny" if args.tiny else args.model
+    batch = args.batch or DEFAULT_BATCH[model]
+    layers = MODELS[model]
+    chosen = args.layers if args.layers else range(len(layers))
+    rows: list[dict[str, Any]] = []
+    results = {"environment": common.environment(), "config": {**vars(args), "model": model, "batch": batch}, "rows": rows}
+    begin = time.perf_counter()
+    path = None
+    for name in args.modes:
+        mode = common.modes()[name]
+        for index in chosen:
+            if time.perf_counter() - begin > args.budget:
+                say("budget spent: stopping")
+                break
+            say(name, model, "layer", index, layers[index])
+            try:
+                with common.mode_flags(mode, cudnn_benchmark=True):
+                    row = measure_layer(index, layers[index], batch, mode, args)
+            except Exception as error:  # noqa: BLE001 - a layer's failure is a result
+                row = {"layer": index, "mode": name, "error": common.short_error(error)}
+            rows.append(row)
+            common.free_memory(args.device)
+            print(name, "layer", index, {key: round(v, 3) for key, v in (row.get("gpu_ms") or {}).items() if v},
+                  "nn/ours", common.fmt(row.get("nn_over_ours_gpu")), row.get("paths", {}),
+                  "numerics", common.verdict(row.get("numerics_passed")), row.get("error", ""), flush=True)
+            for side_name in SIDES:
+                for kernel_name, ms in ((row.get("gpu_kernels") or {}).get(side_name) or {}).items():
+                    print(f"   {side_name:4} {ms:8.3f} {kernel_name[:110]}")
+            results["summary"] = {
+                m: {"nn_ms": sum((r.get("gpu_ms") or {}).get("nn") or 0 for r in rows if r.get("mode") == m),
+                    "ours_ms": sum((r.get("gpu_ms") or {}).get("ours") or 0 for r in rows if r.get("mode") == m)}
+                for m in args.modes
+            }  # fmt: skip
+            path = common.write_json(results, args.out, f"{NAME}-{model}")
+    print("summary", results.get("summary"))
+    print("results:", path if rows else "none")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
