@@ -512,3 +512,19 @@ def add_timing_arguments(parser: argparse.ArgumentParser, warmup: int, iters: in
     parser.add_argument("--iters", type=int, default=iters, help="per-call samples per variant, interleaved")
     parser.add_argument("--calls", type=int, default=calls, help="calls queued back to back per throughput sample")
     parser.add_argument("--repeats", type=int, default=repeats, help="throughput samples per variant")
+
+
+def add_probe_arguments(
+    parser: argparse.ArgumentParser, modes: Sequence[str], warmup: int, iters: int, calls: int, repeats: int
+) -> None:
+    """The options every probe takes: --modes (default ``modes``), --device, the timing options, --budget and --out."""
+    parser.add_argument("--modes", nargs="+", default=list(modes), choices=list(_MODES))
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    add_timing_arguments(parser, warmup=warmup, iters=iters, calls=calls, repeats=repeats)
+    parser.add_argument("--budget", type=float, default=300.0, help="seconds; rows stop once exceeded")
+    parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
+
+
+def say(*parts: object) -> None:
+    """A probe's progress, time-stamped and flushed (a device run cut short still shows the last step it reached)."""
+    print(time.strftime("%H:%M:%S"), *parts, flush=True)

@@ -45,10 +45,6 @@ SIDES = ("nn", "ours")
 TOP_KERNELS = 6
 
 
-def say(*parts: object) -> None:
-    print(time.strftime("%H:%M:%S"), *parts, flush=True)
-
-
 def _top(kernels: dict[str, float] | None, calls: int) -> dict[str, float] | None:
     """The largest kernels (ms per step), the rest summed as "other"."""
     if kernels is None:
@@ -132,13 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="alexnet", choices=[m for m in MODELS if m != "tiny"])
     parser.add_argument("--batch", type=int, default=None, help="default: the model's training batch of bench_models")
-    parser.add_argument("--modes", nargs="+", default=["fp32"], choices=list(common.modes()))
+    common.add_probe_arguments(parser, ["fp32"], warmup=3, iters=1, calls=10, repeats=5)
     parser.add_argument("--layers", type=int, nargs="*", default=None, help="indices of the model's convolutions")
     parser.add_argument("--tiny", action="store_true", help="two tiny layers (smoke tests) instead of the model's")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    common.add_timing_arguments(parser, warmup=3, iters=1, calls=10, repeats=5)
-    parser.add_argument("--budget", type=float, default=300.0, help="seconds; layers stop once exceeded")
-    parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("probe_layers: needs a CUDA GPU (or --device cpu)")
@@ -157,9 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         mode = common.modes()[name]
         for index in chosen:
             if time.perf_counter() - begin > args.budget:
-                say("budget spent: stopping")
+                common.say("budget spent: stopping")
                 break
-            say(name, model, "layer", index, layers[index])
+            common.say(name, model, "layer", index, layers[index])
             try:
                 with common.mode_flags(mode, cudnn_benchmark=True):
                     row = measure_layer(index, layers[index], batch, mode, args)

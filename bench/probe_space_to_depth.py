@@ -107,10 +107,6 @@ def weight_grad_from_space_to_depth(grad: torch.Tensor, kernel: Sequence[int], s
     return whole[:, :, :r, :s].contiguous(memory_format=torch.channels_last)
 
 
-def say(*parts: object) -> None:
-    print(time.strftime("%H:%M:%S"), *parts, flush=True)
-
-
 def measure_row(shape: tuple[Any, ...], mode: common.Mode, args: argparse.Namespace) -> dict[str, Any]:
     label, n, c, side, k, kernel, stride, padding = shape
     device = args.device
@@ -191,13 +187,9 @@ def _regrouped_wgrad(grads: Sequence[torch.Tensor | None], kernel: Sequence[int]
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", nargs="+", default=["bf16", "tf32", "fp32"], choices=list(common.modes()))
+    common.add_probe_arguments(parser, ["bf16", "tf32", "fp32"], warmup=3, iters=20, calls=10, repeats=5)
     parser.add_argument("--shapes", type=int, nargs="*", default=None, help="indices into SHAPES (default all)")
     parser.add_argument("--tiny", action="store_true", help="the tiny shapes (smoke tests) instead of SHAPES")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    common.add_timing_arguments(parser, warmup=3, iters=20, calls=10, repeats=5)
-    parser.add_argument("--budget", type=float, default=300.0, help="seconds; rows stop once exceeded")
-    parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("probe_space_to_depth: needs a CUDA GPU (or --device cpu)")
@@ -213,9 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         mode = common.modes()[name]
         for shape in shapes:
             if time.perf_counter() - begin > args.budget:
-                say("budget spent: stopping")
+                common.say("budget spent: stopping")
                 break
-            say(name, shape[0])
+            common.say(name, shape[0])
             try:
                 with common.mode_flags(mode, cudnn_benchmark=True):
                     row = measure_row(shape, mode, args)
