@@ -11,7 +11,7 @@ ours         ``torch_convbias.functional.conv_bias2d(..., activation="relu")`` a
              backend rewrites ``nn.Conv2d`` + ReLU into (the timed choices of ``cudnn.benchmark`` included)
 ===========  =====================================================================================================
 
-Per layer: GPU time per step (profiler kernel sums over ``--calls`` steps) and its largest kernels, back-to-back rates,
+Per layer: GPU time per step (profiler kernel sums over ``--iters`` steps) and its largest kernels, back-to-back rates,
 the gradients and output checked against float64, and how the op ran the layer (explain(): forward path and engine,
 regrouped or padded input, the weight gradient's path and engine). Under ``cudnn.benchmark`` with the mode's TF32
 flags, as ``bench_models`` runs. ``python -m bench.probe_layers --model alexnet --modes fp32 [--batch 512]``;
@@ -53,6 +53,12 @@ def _top(kernels: dict[str, float] | None, calls: int) -> dict[str, float] | Non
     top = {name[:160]: ms / calls for name, ms in items[:TOP_KERNELS]}
     rest = sum(ms for _, ms in items[TOP_KERNELS:]) / calls
     return {**top, "other": rest} if rest else top
+
+
+def _total(rows: Sequence[dict[str, Any]], mode: str, side: str) -> float | None:
+    """A side's GPU time summed over the layers of ``mode`` measured so far; None without GPU times (the CPU, errors)."""
+    times = [(r.get("gpu_ms") or {}).get(side) for r in rows if r.get("mode") == mode]
+    return sum(times) if times and all(t is not None for t in times) else None
 
 
 def measure_layer(index: int, layer: tuple[int, ...], batch: int, mode: common.Mode, args: argparse.Namespace) -> dict[str, Any]:
@@ -103,9 +109,10 @@ def measure_layer(index: int, layer: tuple[int, ...], batch: int, mode: common.M
     for _ in range(args.warmup):
         for fn in steps.values():
             fn()
-    kernels = {name: common.gpu_kernels([fn] * args.calls, device) for name, fn in steps.items()}
-    row["gpu_ms"] = {name: (sum(k.values()) / args.calls if k is not None else None) for name, k in kernels.items()}
-    row["gpu_kernels"] = {name: _top(k, args.calls) for name, k in kernels.items()}
+    # GPU time: the profiler's kernel sums over --iters steps per side.
+    kernels = {name: common.gpu_kernels([fn] * args.iters, device) for name, fn in steps.items()}
+    row["gpu_ms"] = {name: (sum(k.values()) / args.iters if k is not None else None) for name, k in kernels.items()}
+    row["gpu_kernels"] = {name: _top(k, args.iters) for name, k in kernels.items()}
     row["back_to_back"] = common.time_back_to_back(steps, args.calls, args.repeats, device)
     gpu = row["gpu_ms"]
     rate = {name: timing["median_ms"] for name, timing in row["back_to_back"].items()}
@@ -128,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="alexnet", choices=[m for m in MODELS if m != "tiny"])
     parser.add_argument("--batch", type=int, default=None, help="default: the model's training batch of bench_models")
-    common.add_probe_arguments(parser, ["fp32"], warmup=3, iters=1, calls=10, repeats=5)
+    common.add_probe_arguments(parser, ["fp32"], warmup=3, iters=10, calls=10, repeats=5)
     parser.add_argument("--layers", type=int, nargs="*", default=None, help="indices of the model's convolutions")
     parser.add_argument("--tiny", action="store_true", help="two tiny layers (smoke tests) instead of the model's")
     args = parser.parse_args(argv)
@@ -165,11 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for side_name in SIDES:
                 for kernel_name, ms in ((row.get("gpu_kernels") or {}).get(side_name) or {}).items():
                     print(f"   {side_name:4} {ms:8.3f} {kernel_name[:110]}")
-            results["summary"] = {
-                m: {"nn_ms": sum((r.get("gpu_ms") or {}).get("nn") or 0 for r in rows if r.get("mode") == m),
-                    "ours_ms": sum((r.get("gpu_ms") or {}).get("ours") or 0 for r in rows if r.get("mode") == m)}
-                for m in args.modes
-            }  # fmt: skip
+            results["summary"] = {m: {f"{side_name}_ms": _total(rows, m, side_name) for side_name in SIDES} for m in args.modes}
             path = common.write_json(results, args.out, f"{NAME}-{model}")
     print("summary", results.get("summary"))
     print("results:", path if rows else "none")

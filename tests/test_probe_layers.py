@@ -26,10 +26,18 @@ def test_probe_runs_every_layer_on_the_cpu_and_checks_both_sides(tmp_path: Path)
         assert row["paths"]["forward"] == "aten"  # the op's CPU path, as explain() reports it
 
 
+# The max-pools of torchvision's models, after the convolutions that have one: (kernel, stride).
+POOLS = {"alexnet": {0: (3, 2), 1: (3, 2)}, "vgg11": {0: (2, 2), 1: (2, 2), 3: (2, 2), 5: (2, 2)}}
+
+
 def test_model_tables_chain_their_shapes() -> None:
-    """Each layer's input is the previous layer's output, less the pooling between them (the models' own)."""
-    for model in ("alexnet", "vgg11"):
+    """Each layer's input is the previous layer's output (channels, and size after the model's max-pool between them)."""
+    for model, pools in POOLS.items():
         layers = probe.MODELS[model]
         assert layers[0][0] == 3 and layers[0][1] == 224
-        for (_, _, k, _, _, _), (c, *_rest) in zip(layers, layers[1:]):
-            assert c == k
+        for index, ((_, side, k, kernel, stride, padding), (c, next_side, *_)) in enumerate(zip(layers, layers[1:])):
+            out = (side + 2 * padding - kernel) // stride + 1
+            if index in pools:
+                pool, pool_stride = pools[index]
+                out = (out - pool) // pool_stride + 1
+            assert (c, next_side) == (k, out), (model, index)
