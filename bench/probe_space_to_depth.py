@@ -21,7 +21,9 @@ ours_s2d           the input and weight regrouped (``space_to_depth_input``: a p
                    where one kernel of the op would make one), then ``convbias.forward`` at stride 1
 ours_s2d_conv      ``convbias.forward`` on the regrouped tensors alone (what a one-pass regrouping leaves to add)
 aten_s2d_conv      ``F.relu(F.conv2d(...))`` on the regrouped tensors (whether ATen's cuDNN call gains as well)
-regroup            the input's regrouping alone
+regroup            the input's regrouping alone, as ``ours_s2d`` makes it (ATen's pad and permuted copy)
+regroup_op         the input's regrouping by the op's own way (``convbias::_space_to_depth``: its one-pass kernel
+                   on the GPU; the weight's regrouping, a few KB, included)
 ours_wgrad         ``convbias.param_grad`` of the stem as it is (a stem's input needs no gradient)
 ours_s2d_wgrad     ``convbias.param_grad`` of the regrouped problem (forward saved the regrouped input) and the
                    weight gradient regrouped back (``weight_grad_from_space_to_depth``)
@@ -57,7 +59,7 @@ SHAPES = [
     ("3x3 stride-2 stem (MobileNet, EfficientNet)", 512, 3, 224, 32, 3, 2, 1),
 ]
 TINY = [("tiny 5x5 stride 2", 2, 3, 13, 4, 5, 2, 1), ("tiny 11x11 stride 4", 2, 3, 30, 4, 11, 4, 2)]
-FORWARD = ("aten", "ours", "ours_s2d", "ours_s2d_conv", "aten_s2d_conv", "regroup")
+FORWARD = ("aten", "ours", "ours_s2d", "ours_s2d_conv", "aten_s2d_conv", "regroup", "regroup_op")
 WGRAD = ("ours_wgrad", "ours_s2d_wgrad")
 
 
@@ -134,6 +136,7 @@ def measure_row(shape: tuple[Any, ...], mode: common.Mode, args: argparse.Namesp
         "ours_s2d_conv": lambda: forward(xs, ws, b, ones, [0, 0], ones, 1, "relu"),
         "aten_s2d_conv": lambda: F.relu(F.conv2d(xs, ws, b)),
         "regroup": lambda: space_to_depth_input(x, kernels, strides, paddings),
+        "regroup_op": lambda: torch.ops.convbias._space_to_depth(x, w, strides, paddings, ones, 1)[0],
         "ours_wgrad": lambda: param_grad(dy, x, w, strides, paddings, ones, 1, [True, True]),
         "ours_s2d_wgrad": lambda: _regrouped_wgrad(param_grad(dy, xs, ws, ones, [0, 0], ones, 1, [True, True]), kernels, strides),
     }
@@ -154,6 +157,9 @@ def measure_row(shape: tuple[Any, ...], mode: common.Mode, args: argparse.Namesp
             grad_w, grad_b = fns[name]()
             row["numerics"][name] = common.check_against_float64(grad_w, expected_wgrad, mode, wgrad_terms)
             row["numerics"][name + "_bias"] = common.check_against_float64(grad_b, dy64.sum((0, 2, 3)), mode, wgrad_terms)
+        # The op's regrouping is a copy: exactly the probe's.
+        same = bool(torch.equal(fns["regroup_op"](), xs))
+        row["numerics"]["regroup_op"] = {"passed": same, "message": f"equal to the probe's regrouping: {same}"}
         row["numerics_passed"] = all(check.get("passed") for check in row["numerics"].values())
         if device == "cuda":
             replays = {name: common.capture_replay(fn) for name, fn in fns.items()}
@@ -167,6 +173,7 @@ def measure_row(shape: tuple[Any, ...], mode: common.Mode, args: argparse.Namesp
     row["s2d_conv_over_ours_gpu"] = gpu["ours"] / gpu["ours_s2d_conv"]
     row["s2d_over_aten_gpu"] = gpu["aten"] / gpu["ours_s2d"]
     row["s2d_wgrad_over_ours_gpu"] = gpu["ours_wgrad"] / gpu["ours_s2d_wgrad"]
+    row["regroup_op_over_regroup_gpu"] = gpu["regroup"] / gpu["regroup_op"]
     if device == "cuda":
         from torch_convbias import explain, explain_param_grad
 
@@ -220,7 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "numerics", common.verdict(row.get("numerics_passed")), row.get("error", ""), flush=True)
             results["summary"] = {
                 m: {key: common.geomean(r.get(key) for r in rows if r["mode"] == m)
-                    for key in ("s2d_over_ours_gpu", "s2d_conv_over_ours_gpu", "s2d_over_aten_gpu", "s2d_wgrad_over_ours_gpu")}
+                    for key in ("s2d_over_ours_gpu", "s2d_conv_over_ours_gpu", "s2d_over_aten_gpu", "s2d_wgrad_over_ours_gpu",
+                                "regroup_op_over_regroup_gpu")}
                 for m in args.modes
             }
             path = common.write_json(results, args.out, NAME)

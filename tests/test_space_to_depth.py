@@ -82,6 +82,73 @@ def test_the_regrouped_weights_gradient_gives_the_weights(
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
 
 
+def blocks_of_padded_input(x: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int],
+                           padding: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+    """The oracle of the regrouping, written from its definition: x zero-padded (cropped past the rows any output reads)
+    to whole blocks, each block's pixels made channels (c, a, b) -> c * bh * bw + a * bw + b."""
+    n, c, size = x.shape[0], x.shape[1], x.shape[2:]
+    blocks, pads = [], []
+    for d in range(2):
+        out = (size[d] + 2 * padding[d] - kernel[d]) // stride[d] + 1
+        blocks.append(out - 1 + -(-kernel[d] // stride[d]))
+        pads.append((padding[d], stride[d] * blocks[d] - padding[d] - size[d]))
+    padded = F.pad(x, (*pads[1], *pads[0]))
+    split = padded.reshape(n, c, blocks[0], stride[0], blocks[1], stride[1])
+    return split.permute(0, 1, 3, 5, 2, 4).reshape(n, c * stride[0] * stride[1], *blocks)
+
+
+# (c, size, kernel, stride, padding) of the regrouping tests against the oracle.
+REGROUPINGS = [
+    (3, (224, 224), (11, 11), (4, 4), (2, 2)),  # AlexNet's: 48 channels (16-byte rows: one chunk a thread)
+    (3, (31, 29), (7, 7), (2, 2), (3, 3)),  # ResNet's on odd sizes: 12 channels (24-byte rows in 16-bit: a word)
+    (1, (22, 23), (5, 3), (3, 2), (0, 1)),  # grey, unequal blocks, a cropped row: 6 channels (a word a thread)
+    (4, (9, 9), (3, 3), (2, 2), (1, 1)),  # RGBA: 16 channels
+]
+
+
+def input_laid_out(dtype: torch.dtype, c: int, size: tuple[int, int], layout: str) -> torch.Tensor:
+    """A [3, c, *size] input: packed channels_last, packed NCHW, or a slice of a taller channels_last tensor (offset
+    storage, batch stride past the packed one)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, c, size[0] + 2, size[1], dtype=dtype).contiguous(memory_format=torch.channels_last)
+    x = x[:, :, 1:-1] if layout == "sliced" else x[:, :, : size[0]]
+    if layout == "nchw":
+        return x.contiguous()
+    return x.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else x
+
+
+@pytest.mark.parametrize(("c", "size", "kernel", "stride", "padding"), REGROUPINGS)
+@pytest.mark.parametrize("layout", ["channels_last", "nchw", "sliced"])
+def test_regrouping_is_the_blocks_of_the_padded_input(
+    c: int, size: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int],
+    layout: str,
+) -> None:  # fmt: skip
+    """On the CPU (ATen's copies) the regrouped input is the oracle's, exactly."""
+    x = input_laid_out(torch.float64, c, size, layout)
+    xs, _ = regrouped(x, torch.randn(5, c, *kernel, dtype=torch.float64), list(stride), list(padding))
+    assert torch.equal(xs, blocks_of_padded_input(x, kernel, stride, padding))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("c", "size", "kernel", "stride", "padding"), REGROUPINGS)
+@pytest.mark.parametrize("layout", ["channels_last", "nchw", "sliced"])
+def test_gpu_regrouping_is_the_blocks_of_the_padded_input(
+    dtype: torch.dtype, c: int, size: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int],
+    padding: tuple[int, int], layout: str,
+) -> None:  # fmt: skip
+    """The one-pass kernel (space_to_depth_regroup.cu, which the profiler shows ran) gives exactly the oracle's tensor,
+    bit for bit, channels_last and 16-byte aligned, from a channels_last, an NCHW or a sliced (offset, strided) input."""
+    x = input_laid_out(dtype, c, size, layout)
+    w = torch.randn(5, c, *kernel, dtype=dtype)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        xs, _ = regrouped(x.cuda(), w.cuda(), list(stride), list(padding))
+        torch.cuda.synchronize()
+    assert any("regroup_blocks" in event.name for event in profile.events()), [e.name for e in profile.events()]
+    assert xs.is_contiguous(memory_format=torch.channels_last) and xs.data_ptr() % 16 == 0
+    assert torch.equal(xs.cpu(), blocks_of_padded_input(x, kernel, stride, padding))
+
+
 def test_weight_grad_hook_refuses_problems_without_the_way() -> None:
     x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
     with pytest.raises(ValueError, match="the space-to-depth way does not apply"):

@@ -62,6 +62,9 @@ std::optional<SpaceToDepth> space_to_depth_of(
 }
 
 at::Tensor space_to_depth_input(const at::Tensor& x, const SpaceToDepth& g) {
+  if (regroups_on_gpu(x)) {
+    return regroup_input_on_gpu(x, g);
+  }
   return regroup(x, g.block, g.input_blocks, g.before, g.after);
 }
 
