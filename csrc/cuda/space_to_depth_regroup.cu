@@ -35,8 +35,10 @@ struct RegroupShape {
 // x[n, hb * bh + a - before_h, wb * bw + b - before_w, c]; the walk over (c, a, b) carries instead of dividing.
 template <typename Word, int kWords>
 __global__ void regroup_blocks(const Word* __restrict__ in, Word* __restrict__ out, RegroupShape s, int32_t units) {
-  for (int32_t unit = blockIdx.x * blockDim.x + threadIdx.x; unit < units; unit += gridDim.x * blockDim.x) {
-    const int32_t first = unit * kWords;
+  // 64-bit steps: the last stride may pass INT32_MAX.
+  for (int64_t unit = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; unit < units;
+       unit += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t first = static_cast<int32_t>(unit * kWords);
     const int32_t pixel = first / s.row;
     const int32_t wb = pixel % s.blocks_w;
     const int32_t rest = pixel / s.blocks_w;
