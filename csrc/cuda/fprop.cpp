@@ -670,7 +670,7 @@ std::shared_ptr<const FpropPlan> consider_space_to_depth(
   }
   const std::string note = space_to_depth_note(*g, x.size(1));
   auto own = std::make_shared<FpropPlan>(*chosen);
-  try {
+  return optional_way_or_own<FpropPlan>(own, note, "regrouped copies", [&]() -> std::shared_ptr<const FpropPlan> {
     const FpropProblem q = p.with_space_to_depth();
     const std::shared_ptr<const FpropPlan> regrouped =
         fprop_plan(q, space_to_depth_input(x, *g), space_to_depth_weight(w, *g), b);
@@ -714,14 +714,8 @@ std::shared_ptr<const FpropPlan> consider_space_to_depth(
     }
     own->notes.push_back(note + " measured slower: " + measured.str());
     own->layout_timings = std::move(timings);
-  } catch (const c10::OutOfMemoryError&) {
-    own->transient = true;
-    own->notes.push_back(note + " not tried: out of memory for the regrouped copies");
-  } catch (const c10::Error& error) {
-    const std::string what = error.what_without_backtrace();
-    own->notes.push_back(note + " failed, the problem runs its own way: " + what.substr(0, what.find('\n')));
-  }
-  return own;
+    return own;
+  });
 }
 
 std::shared_ptr<const FpropPlan> build_plan(

@@ -1,6 +1,7 @@
 // pad_channels.h: one thread per 16-byte chunk of the output, reading the chunk's elements of the input row (each
 // element as raw bits: zero bits are +0.0 in every floating type, so one kernel serves float16, bfloat16 and float32).
 #include "cuda/pad_channels.h"
+#include "cuda/grid_stride.h"
 #include "cuda/test_hook.h"
 
 #include <ATen/ATen.h>
@@ -8,7 +9,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <limits>
@@ -42,9 +42,7 @@ template <typename Word>
 void launch(const at::Tensor& in, at::Tensor& out, int64_t in_row, int64_t out_row) {
   const int64_t chunks = out.numel() * static_cast<int64_t>(sizeof(Word)) / kChunkBytes;
   constexpr int kThreads = 256;
-  // A grid-stride loop over at most 32 blocks per multiprocessor: enough to keep the memory system busy.
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((chunks + kThreads - 1) / kThreads, sms * 32));
+  const int64_t blocks = grid_stride_blocks(chunks, kThreads);
   pad_rows<Word><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       static_cast<const Word*>(in.const_data_ptr()), in_row, static_cast<Word*>(out.mutable_data_ptr()), out_row,
       chunks);

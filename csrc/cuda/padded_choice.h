@@ -2,7 +2,8 @@
 // rows are misaligned: keep the plan of the problem as it is, or run the plan of the problem on zero-padded copies
 // (pad_channels.h). One rule for both: TORCH_CONVBIAS_PAD_CHANNELS=on takes the padded way wherever its plan runs a
 // graph, off never tries it, auto measures both complete ways (copies included) when choices are timed and keeps the
-// faster; untimed choices keep the problem as it is (heuristics cannot weigh the copies).
+// faster; untimed choices keep the problem as it is (heuristics cannot weigh the copies). The guard around it,
+// optional_way_or_own, serves the regrouped way of space_to_depth.h as well.
 #pragma once
 
 #include <functional>
@@ -63,25 +64,35 @@ std::shared_ptr<const Plan> keep_padded_or_own(
   return own;
 }
 
-// `choose()` (the padded problem's plan, then keep_padded_or_own), guarded: the padded way is optional, so whatever
-// stops it leaves the problem as it is, with the reason in its notes, rather than failing a call the plan as it is
-// runs. Out of memory for the copies (or the padded problem's workspace) the choice is not final: `own` is marked
-// transient (neither cached nor stored), to be made again when memory allows. Anything else (e.g. a forced
-// TORCH_CONVBIAS_* path the padded problem cannot take) is final for the key.
+// `choose()` for a way of running a problem on copies made for it (the padded copies here, space_to_depth.h's regrouped
+// ones), guarded: the way is optional, so whatever stops it leaves the problem its own way, `own`, with the reason in
+// its notes, rather than failing a call that `own` runs. Out of memory for the `copies` (or the other problem's
+// workspace) the choice is not final: `own` is marked transient (neither cached nor stored), to be made again when
+// memory allows. Anything else (e.g. a forced TORCH_CONVBIAS_* path the other problem cannot take) is final for the key.
 template <typename Plan>
-std::shared_ptr<const Plan> padded_or_own(
-    std::shared_ptr<Plan> own, const std::string& note, const std::function<std::shared_ptr<const Plan>()>& choose) {
+std::shared_ptr<const Plan> optional_way_or_own(
+    std::shared_ptr<Plan> own, const std::string& note, const std::string& copies,
+    const std::function<std::shared_ptr<const Plan>()>& choose) {
   try {
-    throw_injected_padded_way_failure();
     return choose();
   } catch (const c10::OutOfMemoryError&) {
     own->transient = true;
-    own->notes.push_back(note + " not tried: out of memory for the padded copies");
+    own->notes.push_back(note + " not tried: out of memory for the " + copies);
   } catch (const c10::Error& error) {
     const std::string what = error.what_without_backtrace();
     own->notes.push_back(note + " failed, the problem runs as it is: " + what.substr(0, what.find('\n')));
   }
   return own;
+}
+
+// The padded way through optional_way_or_own: `choose()` is the padded problem's plan, then keep_padded_or_own.
+template <typename Plan>
+std::shared_ptr<const Plan> padded_or_own(
+    std::shared_ptr<Plan> own, const std::string& note, const std::function<std::shared_ptr<const Plan>()>& choose) {
+  return optional_way_or_own<Plan>(std::move(own), note, "padded copies", [&] {
+    throw_injected_padded_way_failure();
+    return choose();
+  });
 }
 
 } // namespace convbias::cuda

@@ -3,13 +3,13 @@
 // over the data, the second with 12 to 24-byte runs: on the H100 it took 1.40 ms for AlexNet's bf16 stem at batch
 // 1024, twice the regrouped convolution (bench/results/space_to_depth-nvidia-h100-80gb-hbm3.json).
 #include "cuda/space_to_depth.h"
+#include "cuda/grid_stride.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -83,9 +83,7 @@ void launch(const at::Tensor& x, at::Tensor& out, const RegroupShape& shape) {
   const int64_t units = out.numel() / kWords;
   TORCH_INTERNAL_ASSERT(units <= std::numeric_limits<int32_t>::max());
   constexpr int kThreads = 256;
-  // A grid-stride loop over at most 32 blocks per multiprocessor: enough to keep the memory system busy.
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((units + kThreads - 1) / kThreads, sms * 32));
+  const int64_t blocks = grid_stride_blocks(units, kThreads);
   regroup_blocks<Word, kWords><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       static_cast<const Word*>(x.const_data_ptr()), static_cast<Word*>(out.mutable_data_ptr()), shape,
       static_cast<int32_t>(units));

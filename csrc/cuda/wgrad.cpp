@@ -194,7 +194,7 @@ std::shared_ptr<const WgradPlan> consider_space_to_depth(
   }
   const std::string note = space_to_depth_note(*g, p.x_dims[1]);
   auto own = std::make_shared<WgradPlan>(*chosen);
-  try {
+  return optional_way_or_own<WgradPlan>(own, note, "regrouped copies", [&]() -> std::shared_ptr<const WgradPlan> {
     const WgradProblem q = p.with_space_to_depth();
     const std::shared_ptr<const WgradPlan> regrouped =
         wgrad_plan(q, space_to_depth_input(x, *g), dy, regrouped_dw(q, dw), nullptr, nullptr);
@@ -218,14 +218,7 @@ std::shared_ptr<const WgradPlan> consider_space_to_depth(
     kept->space_to_depth_ms = regrouped_ms;
     kept->own_way_ms = own_ms;
     return kept;
-  } catch (const c10::OutOfMemoryError&) {
-    own->transient = true;
-    own->notes.push_back(note + " not tried: out of memory for the regrouped copies");
-  } catch (const c10::Error& error) {
-    const std::string what = error.what_without_backtrace();
-    own->notes.push_back(note + " failed, the problem runs its own way: " + what.substr(0, what.find('\n')));
-  }
-  return own;
+  });
 }
 
 std::shared_ptr<const WgradPlan> build_plan(
