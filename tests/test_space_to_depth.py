@@ -99,10 +99,11 @@ def blocks_of_padded_input(x: torch.Tensor, kernel: tuple[int, int], stride: tup
 
 # (c, size, kernel, stride, padding) of the regrouping tests against the oracle.
 REGROUPINGS = [
-    (3, (224, 224), (11, 11), (4, 4), (2, 2)),  # AlexNet's: 48 channels (16-byte rows: one chunk a thread)
-    (3, (31, 29), (7, 7), (2, 2), (3, 3)),  # ResNet's on odd sizes: 12 channels (24-byte rows in 16-bit: a word)
-    (1, (22, 23), (5, 3), (3, 2), (0, 1)),  # grey, unequal blocks, a cropped row: 6 channels (a word a thread)
+    (3, (224, 224), (11, 11), (4, 4), (2, 2)),  # AlexNet's: 48 channels (16-byte rows: 16-byte stores)
+    (3, (31, 29), (7, 7), (2, 2), (3, 3)),  # ResNet's on odd sizes: 12 channels (24-byte rows in 16-bit: 8 bytes)
+    (1, (22, 23), (5, 3), (3, 2), (0, 1)),  # grey, unequal blocks, a cropped row: 6 channels (12-byte rows: 4 bytes)
     (4, (9, 9), (3, 3), (2, 2), (1, 1)),  # RGBA: 16 channels
+    (1, (20, 19), (5, 5), (3, 3), (1, 1)),  # grey in 3x3 blocks: 9 channels (18-byte rows in 16-bit: a word a thread)
 ]
 
 

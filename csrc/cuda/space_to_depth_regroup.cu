@@ -16,8 +16,6 @@
 namespace convbias::cuda {
 namespace {
 
-constexpr int kChunkBytes = 16;
-
 // The sizes a thread needs to place its words. Output positions are 32-bit (space_to_depth_of keeps the regrouped input
 // within INT32_MAX elements); input offsets are 64-bit.
 struct RegroupShape {
@@ -29,12 +27,13 @@ struct RegroupShape {
   int32_t row; // the output's channels: C * block_h * block_w
 };
 
-// One thread per `kWords` consecutive words of the output, all in one output pixel's row (rows are multiples of
-// `kWords`): a 16-byte chunk stored at once where rows are 16-byte multiples, else one word. Word is the element's raw
-// bits (zero bits are +0.0 in every floating type). The word's channel (c, a, b) = c * bh * bw + a * bw + b reads
+// One thread per Store (16, 8, 4 or 2 bytes: the widest that divides the output's rows, so that a thread's words
+// lie in one output pixel's row and its store is aligned) of consecutive words of the output. Word is the element's
+// raw bits (zero bits are +0.0 in every floating type). The word's channel (c, a, b) = c * bh * bw + a * bw + b reads
 // x[n, hb * bh + a - before_h, wb * bw + b - before_w, c]; the walk over (c, a, b) carries instead of dividing.
-template <typename Word, int kWords>
+template <typename Word, typename Store>
 __global__ void regroup_blocks(const Word* __restrict__ in, Word* __restrict__ out, RegroupShape s, int32_t units) {
+  constexpr int kWords = sizeof(Store) / sizeof(Word);
   // 64-bit steps: the last stride may pass INT32_MAX.
   for (int64_t unit = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; unit < units;
        unit += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -54,7 +53,7 @@ __global__ void regroup_blocks(const Word* __restrict__ in, Word* __restrict__ o
     const int64_t w0 = static_cast<int64_t>(wb) * s.block_w - s.before_w;
     union {
       Word words[kWords];
-      uint4 vector;
+      Store store;
     } chunk;
 #pragma unroll
     for (int j = 0; j < kWords; ++j) {
@@ -69,34 +68,35 @@ __global__ void regroup_blocks(const Word* __restrict__ in, Word* __restrict__ o
         }
       }
     }
-    if constexpr (kWords * sizeof(Word) == kChunkBytes) {
-      *reinterpret_cast<uint4*>(out + first) = chunk.vector;
-    } else {
-      static_assert(kWords == 1, "a thread writes a 16-byte chunk or one word");
-      out[first] = chunk.words[0];
-    }
+    *reinterpret_cast<Store*>(out + first) = chunk.store;
   }
 }
 
-template <typename Word, int kWords>
+template <typename Word, typename Store>
 void launch(const at::Tensor& x, at::Tensor& out, const RegroupShape& shape) {
-  const int64_t units = out.numel() / kWords;
+  static_assert(sizeof(Store) % sizeof(Word) == 0);
+  const int64_t units = out.numel() / static_cast<int64_t>(sizeof(Store) / sizeof(Word));
   TORCH_INTERNAL_ASSERT(units <= std::numeric_limits<int32_t>::max());
   constexpr int kThreads = 256;
   const int64_t blocks = grid_stride_blocks(units, kThreads);
-  regroup_blocks<Word, kWords><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+  regroup_blocks<Word, Store><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       static_cast<const Word*>(x.const_data_ptr()), static_cast<Word*>(out.mutable_data_ptr()), shape,
       static_cast<int32_t>(units));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// AlexNet's 48 channels: 16-byte stores; RGB in 16-bit at stride 2 (12 channels, 24-byte rows): 8-byte ones.
 template <typename Word>
 void launch_for_rows(const at::Tensor& x, at::Tensor& out, const RegroupShape& shape) {
-  constexpr int kWordsPerChunk = kChunkBytes / sizeof(Word);
-  if (shape.row % kWordsPerChunk == 0) {
-    launch<Word, kWordsPerChunk>(x, out, shape);
+  const int64_t row_bytes = shape.row * static_cast<int64_t>(sizeof(Word));
+  if (row_bytes % 16 == 0) {
+    launch<Word, uint4>(x, out, shape);
+  } else if (row_bytes % 8 == 0) {
+    launch<Word, uint2>(x, out, shape);
+  } else if (row_bytes % 4 == 0) {
+    launch<Word, uint32_t>(x, out, shape);
   } else {
-    launch<Word, 1>(x, out, shape); // e.g. RGB in 16-bit at stride 2: 12 channels, 24-byte rows
+    launch<Word, Word>(x, out, shape);
   }
 }
 
