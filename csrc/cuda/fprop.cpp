@@ -1041,13 +1041,7 @@ std::optional<SpaceToDepth> FpropProblem::space_to_depth() const {
 FpropProblem FpropProblem::with_space_to_depth() const {
   const auto g = space_to_depth();
   TORCH_INTERNAL_ASSERT(g);
-  FpropProblem p = *this;
-  p.x_dims = g->input_dims(x_dims);
-  p.w_dims = g->weight_dims(w_dims);
-  p.params = g->params(params);
-  p.alignments[0] = 16;
-  p.alignments[1] = 16;
-  return p;
+  return regrouped_problem(*this, *g, 0, 1);
 }
 
 PlanCaches<FpropPlan>& fprop_cache() {

@@ -46,6 +46,20 @@ struct SpaceToDepth {
   }
 };
 
+// `p` (a forward or a weight-gradient problem: x_dims, w_dims, params, alignments) as the problem its regrouping `g`
+// makes. The regrouped input and weight (or weight gradient) are new tensors, 16-byte aligned: their alignment slots
+// are `x_slot` and `w_slot`.
+template <typename Problem>
+Problem regrouped_problem(const Problem& p, const SpaceToDepth& g, size_t x_slot, size_t w_slot) {
+  Problem q = p;
+  q.x_dims = g.input_dims(p.x_dims);
+  q.w_dims = g.weight_dims(p.w_dims);
+  q.params = g.params(p.params);
+  q.alignments[x_slot] = 16;
+  q.alignments[w_slot] = 16;
+  return q;
+}
+
 // The regrouping of a channels_last convolution of x [N, C, H, W] by w [K, C, R, S] into y [N, K, P, Q], or nullopt where
 // the way does not apply: one group, no dilation, a stride above 1, at most 4 input channels (the stems: RGB, RGBA,
 // grey), the kernel's zeros at most doubling the multiply-adds (a 1x1 stride-2 convolution would quadruple them), and

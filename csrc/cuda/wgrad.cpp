@@ -336,13 +336,7 @@ std::optional<SpaceToDepth> WgradProblem::space_to_depth() const {
 WgradProblem WgradProblem::with_space_to_depth() const {
   const auto g = space_to_depth();
   TORCH_INTERNAL_ASSERT(g);
-  WgradProblem p = *this;
-  p.x_dims = g->input_dims(x_dims);
-  p.w_dims = g->weight_dims(w_dims);
-  p.params = g->params(params);
-  p.alignments[0] = 16;
-  p.alignments[2] = 16;
-  return p;
+  return regrouped_problem(*this, *g, 0, 2);
 }
 
 PlanCaches<WgradPlan>& wgrad_cache() {
