@@ -107,11 +107,12 @@ REGROUPINGS = [
 ]
 
 
-def input_laid_out(dtype: torch.dtype, c: int, size: tuple[int, int], layout: str) -> torch.Tensor:
-    """A [3, c, *size] input: packed channels_last, packed NCHW, or a slice of a taller channels_last tensor (offset
-    storage, batch stride past the packed one)."""
+def input_laid_out(dtype: torch.dtype, c: int, size: tuple[int, int], layout: str, device: str = "cpu") -> torch.Tensor:
+    """A [3, c, *size] input on ``device``: packed channels_last, packed NCHW, or a slice of a taller channels_last
+    tensor (offset storage, batch stride past the packed one). Sliced on the device itself: ``.to(device)`` of a
+    slice would make it packed."""
     torch.manual_seed(0)
-    x = torch.randn(3, c, size[0] + 2, size[1], dtype=dtype).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(3, c, size[0] + 2, size[1], dtype=dtype).to(device).contiguous(memory_format=torch.channels_last)
     x = x[:, :, 1:-1] if layout == "sliced" else x[:, :, : size[0]]
     if layout == "nchw":
         return x.contiguous()
@@ -140,14 +141,15 @@ def test_gpu_regrouping_is_the_blocks_of_the_padded_input(
 ) -> None:  # fmt: skip
     """The one-pass kernel (space_to_depth_regroup.cu, which the profiler shows ran) gives exactly the oracle's tensor,
     bit for bit, channels_last and 16-byte aligned, from a channels_last, an NCHW or a sliced (offset, strided) input."""
-    x = input_laid_out(dtype, c, size, layout)
-    w = torch.randn(5, c, *kernel, dtype=dtype)
+    x = input_laid_out(dtype, c, size, layout, "cuda")
+    assert layout != "sliced" or (x.storage_offset() > 0 and not x.is_contiguous(memory_format=torch.channels_last))
+    w = torch.randn(5, c, *kernel, dtype=dtype, device="cuda")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        xs, _ = regrouped(x.cuda(), w.cuda(), list(stride), list(padding))
+        xs, _ = regrouped(x, w, list(stride), list(padding))
         torch.cuda.synchronize()
     assert any("regroup_blocks" in event.name for event in profile.events()), [e.name for e in profile.events()]
     assert xs.is_contiguous(memory_format=torch.channels_last) and xs.data_ptr() % 16 == 0
-    assert torch.equal(xs.cpu(), blocks_of_padded_input(x, kernel, stride, padding))
+    assert torch.equal(xs.cpu(), blocks_of_padded_input(x.cpu(), kernel, stride, padding))
 
 
 def test_weight_grad_hook_refuses_problems_without_the_way() -> None:
