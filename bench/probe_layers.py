@@ -61,6 +61,23 @@ def _total(rows: Sequence[dict[str, Any]], mode: str, side: str) -> float | None
     return sum(times) if times and all(t is not None for t in times) else None
 
 
+# How much larger than nn.Conv2d's own error (same inputs, same float64 reference) ours may be where both exceed the
+# dtype's error model: "as exact as nn.Conv2d", not as exact as a model of the dtype that nn.Conv2d itself misses.
+NN_ERROR_FACTOR = 2.0
+
+
+def judge_against_nn(ours: dict[str, Any], nn: dict[str, Any]) -> dict[str, Any]:
+    """``ours`` (a ``common.check_against_float64`` record) passed as it stands, or where it failed the dtype's error
+    model only, passed if its error is within ``NN_ERROR_FACTOR`` times nn.Conv2d's on the same quantity."""
+    if ours.get("passed") or "rel_rms_error" not in ours or "rel_rms_error" not in nn:
+        return ours
+    bound = NN_ERROR_FACTOR * nn["rel_rms_error"]
+    if not ours["rel_rms_error"] <= bound:  # NaN fails too
+        return {**ours, "nn_bound": bound}
+    return {**ours, "passed": True, "nn_bound": bound,
+            "message": f"{ours['message']}, but within {NN_ERROR_FACTOR:g}x nn.Conv2d's own error ({nn['rel_rms_error']:.3g})"}  # fmt: skip
+
+
 def measure_layer(index: int, layer: tuple[int, ...], batch: int, mode: common.Mode, args: argparse.Namespace) -> dict[str, Any]:
     from torch_convbias import explain, explain_param_grad
     from torch_convbias.functional import conv_bias2d
@@ -105,7 +122,12 @@ def measure_layer(index: int, layer: tuple[int, ...], batch: int, mode: common.M
         actual = (y.detach(), *torch.autograd.grad(y, inputs, dy))
         for name, got, want in zip(names, actual, expected):
             row["numerics"][f"{side_name}_{name}"] = common.check_against_float64(got, want, mode, terms[name])
-    row["numerics_passed"] = all(check.get("passed") for check in row["numerics"].values())
+    for name in names:
+        key = f"ours_{name}"
+        row["numerics"][key] = judge_against_nn(row["numerics"][key], row["numerics"][f"nn_{name}"])
+    # The verdict is ours: nn.Conv2d's own checks are recorded beside it (cuDNN's FFT / Winograd picks and its bf16
+    # reductions can exceed the dtype's error model; that is the baseline, not a failure of this probe).
+    row["numerics_passed"] = all(row["numerics"][f"ours_{name}"].get("passed") for name in names)
     for _ in range(args.warmup):
         for fn in steps.values():
             fn()

@@ -41,3 +41,19 @@ def test_model_tables_chain_their_shapes() -> None:
                 pool, pool_stride = pools[index]
                 out = (out - pool) // pool_stride + 1
             assert (c, next_side) == (k, out), (model, index)
+
+
+def test_ours_is_judged_against_the_dtype_model_or_nn_conv2d_own_error() -> None:
+    """Within the dtype's error model: passed as is. Beyond it but within twice nn.Conv2d's own error on the same
+    quantity: passed, saying so. Beyond both (or NaN): failed."""
+    def record(error: float, tolerance: float = 1e-5) -> dict:
+        passed = error <= tolerance
+        return {"rel_rms_tolerance": tolerance, "rel_rms_error": error, "passed": passed,
+                "message": None if passed else f"relative RMS error {error:.3g} > {tolerance:.3g}"}
+
+    assert probe.judge_against_nn(record(1e-6), record(1e-3)) == record(1e-6)
+    lenient = probe.judge_against_nn(record(4e-4), record(2.5e-4))
+    assert lenient["passed"] and "nn.Conv2d's own error" in lenient["message"] and lenient["nn_bound"] == 5e-4
+    assert not probe.judge_against_nn(record(6e-4), record(2.5e-4))["passed"]
+    assert not probe.judge_against_nn(record(float("nan")), record(2.5e-4))["passed"]
+    assert not probe.judge_against_nn(record(1e-3), record(1e-6))["passed"]
