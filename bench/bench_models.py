@@ -29,7 +29,7 @@ of it by kind (our kernels, convolution fprop / dgrad / wgrad, GEMMs, Inductor's
 sides differ;
 ``backward_fusion``: how many activation backwards the backend handed to Inductor, merged with our input gradient
 (``merged_paths``: per merged pair, whether _input_grad_activation ran the cuDNN graph or the two steps, with both
-times: set TORCH_CONVBIAS_INPUT_GRAD=timed for the graph to be tried) and kept on our kernel;
+times; the graph is tried under TORCH_CONVBIAS_INPUT_GRAD=timed, the default) and kept on our kernel;
 ``layers``: per convolution the backend rewrote (its last graph), how the op ran it (explain: path, engine, activation
 and residual in the graph or not, padded channels; for training the weight gradient's path and engine).
 

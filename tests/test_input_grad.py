@@ -1,7 +1,8 @@
 """convbias._input_grad, the input gradient of forward's autograd: values against an independent float64 oracle (a
 sum over the kernel's taps, einsum and slicing: no convolution kernel), its layout, opcheck, autograd using it (and
 ATen's differentiable backward under create_graph), and on CUDA the timed cuDNN conv_dgrad route
-(TORCH_CONVBIAS_INPUT_GRAD=timed, in subprocesses: knobs are read once per process)."""
+(TORCH_CONVBIAS_INPUT_GRAD=timed, the default, against =aten and =graph, in subprocesses: knobs are read once per
+process)."""
 
 from __future__ import annotations
 
@@ -176,10 +177,10 @@ TOLERANCE = {"torch.float32": 1e-5, "torch.bfloat16": 1e-2, "torch.float16": 2e-
 
 @needs_cuda
 def test_cuda_timed_dgrad_graph_or_aten_whichever_measured_faster() -> None:
-    """TORCH_CONVBIAS_INPUT_GRAD=timed under cudnn.benchmark: channels_last problems build a conv_dgrad graph and time
-    it against ATen's input gradient, keeping the faster (explain_param_grad says which, with both times); NCHW ones
-    run ATen's; every result right against float64, in the input's layout."""
-    report = run_script("timed", "timed")
+    """By default (TORCH_CONVBIAS_INPUT_GRAD=timed) under cudnn.benchmark: channels_last problems build a conv_dgrad
+    graph and time it against ATen's input gradient, keeping the faster (explain_param_grad says which, with both
+    times); NCHW ones run ATen's; every result right against float64, in the input's layout."""
+    report = run_script(None, "timed")
     for row in report["rows"]:
         assert row["error"] <= TOLERANCE[row["dtype"]] and row["layout_kept"], row
         info = row["info"]
@@ -218,15 +219,15 @@ def test_cuda_forced_dgrad_graph_matches_float64(timing: str) -> None:
 
 @needs_cuda
 @pytest.mark.parametrize("knob,timing,note", [
-    (None, "timed", "TORCH_CONVBIAS_INPUT_GRAD=aten"),
-    ("timed", "untimed", "choices untimed"),
+    ("aten", "timed", "TORCH_CONVBIAS_INPUT_GRAD=aten"),
+    (None, "untimed", "choices untimed"),
 ])
-def test_cuda_aten_input_gradient_by_default_and_untimed(knob: str | None, timing: str, note: str) -> None:
-    """By default (until the graph is measured on the GPU) and with choices untimed, ATen's input gradient runs,
-    explain saying why; the results are right either way."""
+def test_cuda_aten_input_gradient_when_asked_and_untimed(knob: str | None, timing: str, note: str) -> None:
+    """Under TORCH_CONVBIAS_INPUT_GRAD=aten, and by default with choices untimed, ATen's input gradient runs, explain
+    saying why; the results are right either way."""
     report = run_script(knob, timing)
     for row in report["rows"]:
         assert row["error"] <= TOLERANCE[row["dtype"]] and row["layout_kept"], row
-        if row["channels_last"] or knob is None:
+        if row["channels_last"] or knob == "aten":
             assert row["info"]["path"] == "aten" and note in row["info"]["notes"][0], row
     assert report["cache"]["input_grad_plans"] == 0, report["cache"]

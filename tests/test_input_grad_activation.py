@@ -2,8 +2,8 @@
 and that gradient's bias sum, in one call (what the convbias backend merges our input gradient and activation backward
 into, tests/test_backward_fusion.py). Against float64 oracles independent of the op and of ATen's convolutions (the
 tap-sum input gradient of tests/cases.py, then autograd of torch.nn.functional's activation), on the CPU and on CUDA:
-there by default as the two steps, and under TORCH_CONVBIAS_INPUT_GRAD=timed with cudnn.benchmark as one conv_dgrad
-graph with the derivative in it where that measured faster (explain says which, with both times; in subprocesses:
+there as the two steps with choices untimed or under TORCH_CONVBIAS_INPUT_GRAD=aten, and by default (=timed) with
+cudnn.benchmark as one conv_dgrad graph with the derivative in it where that measured faster (explain says which, with both times; in subprocesses:
 knobs are read once per process). Argument errors alike in eager and fake mode; opcheck."""
 
 from __future__ import annotations
@@ -205,11 +205,11 @@ def run_script(knob: str | None, timing: str) -> dict:
 
 @needs_cuda
 def test_cuda_timed_graph_or_two_steps_whichever_measured_faster() -> None:
-    """TORCH_CONVBIAS_INPUT_GRAD=timed under cudnn.benchmark: channels_last problems whose derivative cuDNN has a node
-    for build the conv_dgrad + derivative graph and time it against the two steps, keeping the faster (explain says
-    which, with both times); tanh (its backward keeps the output, cuDNN's TANH_BWD reads the input) and NCHW problems
-    take the two steps, saying why; every result right against float64."""
-    report = run_script("timed", "timed")
+    """By default (TORCH_CONVBIAS_INPUT_GRAD=timed) under cudnn.benchmark: channels_last problems whose derivative
+    cuDNN has a node for build the conv_dgrad + derivative graph and time it against the two steps, keeping the faster
+    (explain says which, with both times); tanh (its backward keeps the output, cuDNN's TANH_BWD reads the input) and
+    NCHW problems take the two steps, saying why; every result right against float64."""
+    report = run_script(None, "timed")
     built = 0
     for row in report["rows"]:
         assert not row["error"], row
@@ -256,15 +256,15 @@ def test_cuda_forced_graph_matches_float64_for_every_derivative(timing: str) -> 
 
 @needs_cuda
 @pytest.mark.parametrize("knob,timing,note", [
-    (None, "timed", "TORCH_CONVBIAS_INPUT_GRAD=aten"),
-    ("timed", "untimed", "choices untimed"),
+    ("aten", "timed", "TORCH_CONVBIAS_INPUT_GRAD=aten"),
+    (None, "untimed", "choices untimed"),
 ])
-def test_cuda_two_steps_by_default_and_untimed(knob: str | None, timing: str, note: str) -> None:
-    """By default (until the graph is measured on the GPU) and with choices untimed, the two steps run, explain
-    saying why; the results are right either way."""
+def test_cuda_two_steps_when_asked_and_untimed(knob: str | None, timing: str, note: str) -> None:
+    """Under TORCH_CONVBIAS_INPUT_GRAD=aten, and by default with choices untimed, the two steps run, explain saying
+    why; the results are right either way."""
     report = run_script(knob, timing)
     for row in report["rows"]:
         assert not row["error"], row
-        if row["channels_last"] and row["name"] != "tanh" or knob is None:
+        if row["channels_last"] and row["name"] != "tanh" or knob == "aten":
             assert row["info"]["path"] == "separate" and note in row["info"]["notes"][0], row
     assert report["cache"]["input_grad_activation_plans"] == 0, report["cache"]

@@ -130,7 +130,7 @@ def explain_param_grad(
     ``TORCH_CONVBIAS_SPACE_TO_DEPTH``: ``blocks``, ``channels``, ``kernel``; null otherwise) with ``space_to_depth_ms``
     / ``own_way_ms``, ``engine`` as in :func:`explain`, and ``batch_parts`` as there (the parts' weight
     gradients summed, in FP32 for half-precision weights). ``input_grad``: the path, problem, timings, notes and engine for the input gradient that autograd computes when the input requires grad (``cudnn graph``: a
-    conv_dgrad graph, only under ``TORCH_CONVBIAS_INPUT_GRAD=timed`` with choices timed and where it measured faster,
+    conv_dgrad graph, with choices timed under ``TORCH_CONVBIAS_INPUT_GRAD=timed`` (the default) where it measured faster,
     or wherever it builds under ``TORCH_CONVBIAS_INPUT_GRAD=graph``; ``aten``). ``bias_grad``: ``way`` (``kernel``:
     ours; ``cudnn``: a reduction graph; ``aten``: ATen's sum), ``notes`` and, for the kernel, ``launch``
     (``blocks_per_sm``, ``loads_in_flight``, ``bands``: ``contiguous`` or ``interleaved``, ``timed``). ``math``: the flags that select engines. Builds and caches
@@ -206,9 +206,9 @@ def explain_input_grad_activation(
     activation's backward as :func:`explain_activation_backward` says); ``activation``, ``derivative_from``,
     ``notes`` (why); when a plan was looked up ``problem``, ``cached``, ``plan_build_seconds``, ``graph_ms`` and
     ``separate_ms`` (both ways timed once per shape, bias gradient included; -1 when not measured) and ``engine``
-    for the graph; on CUDA ``math``. The graph is tried only under ``TORCH_CONVBIAS_INPUT_GRAD=timed`` with choices
-    timed (building the plan may run both ways a few times, exactly as the call would), or taken unmeasured wherever
-    it builds under ``TORCH_CONVBIAS_INPUT_GRAD=graph``.
+    for the graph; on CUDA ``math``. The graph is tried only under ``TORCH_CONVBIAS_INPUT_GRAD=timed`` (the default)
+    with choices timed (building the plan may run both ways a few times, exactly as the call would), or taken
+    unmeasured wherever it builds under ``TORCH_CONVBIAS_INPUT_GRAD=graph``.
     """
     conv_args = (_pair("stride", stride), _pair("padding", padding), _pair("dilation", dilation), groups)
     return json.loads(

@@ -3,8 +3,8 @@
 // _forward_with_preactivation: the same, the graph writing the pre-activation too. param_grad:
 // the weight gradient on a conv_wgrad graph for channels_last tensors (TORCH_CONVBIAS_PARAM_GRAD=aten forces ATen),
 // the bias gradient by our kernel.
-// _input_grad: ATen's convolution backward, or under TORCH_CONVBIAS_INPUT_GRAD=timed a conv_dgrad graph where it
-// measured faster (cuda/dgrad.h).
+// _input_grad: ATen's convolution backward, or with choices timed (TORCH_CONVBIAS_INPUT_GRAD=timed, the default) a
+// conv_dgrad graph where it measured faster (cuda/dgrad.h).
 // _input_grad_activation: the input gradient times the derivative of the activation below, and its bias gradient,
 // in two steps or (timed, where faster) one conv_dgrad graph with the derivative in it (cuda/dgrad_activation.h).
 // _activation_backward: the activation's derivative and the bias gradient in one kernel where it applies

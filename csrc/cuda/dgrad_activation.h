@@ -6,9 +6,9 @@
 //   graph     one cuDNN graph conv_dgrad -> pointwise derivative (the activation's *_BWD mode reading `saved`), the
 //             FP32 input gradient multiplied before its one rounding to dz; then the bias gradient of dz by
 //             param_grad's way (bias_grad.h). Saves writing and re-reading the input gradient.
-// The graph is only ever chosen by measurement: under TORCH_CONVBIAS_INPUT_GRAD=timed with choices timed, both ways
-// are timed once per key (the bias gradient included in both) and the faster kept; otherwise the separate way runs,
-// as it would without this op. The convbias torch.compile backend puts the op where a backward graph has our
+// The graph is only ever chosen by measurement: under TORCH_CONVBIAS_INPUT_GRAD=timed (the default) with choices
+// timed, both ways are timed once per key (the bias gradient included in both) and the faster kept; otherwise the
+// separate way runs, as it would without this op. The convbias torch.compile backend puts the op where a backward graph has our
 // input gradient feeding our activation backward (torch_convbias/_backward_fusion.py).
 #pragma once
 

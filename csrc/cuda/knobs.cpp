@@ -47,7 +47,7 @@ const Knobs& knobs() {
     TORCH_CHECK_VALUE(
         result.param_grad == "aten" || result.param_grad == "cudnn",
         "TORCH_CONVBIAS_PARAM_GRAD must be aten or cudnn, got '", result.param_grad, "'");
-    result.input_grad = env_or("TORCH_CONVBIAS_INPUT_GRAD", "aten");
+    result.input_grad = env_or("TORCH_CONVBIAS_INPUT_GRAD", "timed");
     TORCH_CHECK_VALUE(
         result.input_grad == "aten" || result.input_grad == "timed" || result.input_grad == "graph",
         "TORCH_CONVBIAS_INPUT_GRAD must be aten, timed or graph, got '", result.input_grad, "'");

@@ -16,8 +16,8 @@ struct Knobs {
   std::string activation;
   std::string autotune; // TORCH_CONVBIAS_AUTOTUNE: auto (follow cudnn.benchmark) | off | quick | on (math_flags.h)
   std::string param_grad; // TORCH_CONVBIAS_PARAM_GRAD: cudnn (conv_wgrad graph, default) | aten
-  // TORCH_CONVBIAS_INPUT_GRAD: aten (ATen's convolution backward, default until measured on the GPU) | timed (when
-  // choices are timed, a cuDNN conv_dgrad graph against ATen's, the faster kept; untimed: ATen's)
+  // TORCH_CONVBIAS_INPUT_GRAD: timed (default: when choices are timed, a cuDNN conv_dgrad graph against ATen's, the
+  // faster kept; untimed: ATen's) | aten (ATen's convolution backward, nn.Conv2d's) | graph (the graph, unmeasured)
   std::string input_grad;
   std::string bias_grad; // TORCH_CONVBIAS_BIAS_GRAD: kernel (ours, where it applies) | cudnn (reduction graph) | aten
   std::string nchw; // TORCH_CONVBIAS_NCHW: auto (measure) | graph | copy | aten: how NCHW tensors run
