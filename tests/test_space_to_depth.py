@@ -147,9 +147,12 @@ def test_gpu_regrouping_is_the_blocks_of_the_padded_input(
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         xs, _ = regrouped(x, w, list(stride), list(padding))
         torch.cuda.synchronize()
-    assert any("regroup_blocks" in event.name for event in profile.events()), [e.name for e in profile.events()]
     assert xs.is_contiguous(memory_format=torch.channels_last) and xs.data_ptr() % 16 == 0
     assert torch.equal(xs.cpu(), blocks_of_padded_input(x.cpu(), kernel, stride, padding))
+    events = [event.name for event in profile.events()]
+    if not events:  # CUPTI is taken: compute-sanitizer (which the GPU runs use for memcheck) records no activity
+        pytest.skip("the profiler recorded no CUDA activity here (compute-sanitizer?): values checked, kernel not seen")
+    assert any("regroup_blocks" in name for name in events), events
 
 
 def test_weight_grad_hook_refuses_problems_without_the_way() -> None:
