@@ -12,6 +12,7 @@ import argparse
 import collections
 import contextlib
 import gc
+import hashlib
 import json
 import math
 import os
@@ -74,6 +75,19 @@ def git_commit() -> dict[str, Any]:
     return {"commit": "unknown", "dirty": None, "commit_source": "unknown"}
 
 
+def source_digest(root: Path = REPO_ROOT) -> str | None:
+    """The sources a build of this tree compiles (csrc/ and setup.py), hashed as dev.sh's build stamp hashes them
+    (``sources=`` in a prebuild's stamp.txt; tests/test_bench_common.py checks the two agree). Names what ran even
+    where the commit cannot be known or was handed over wrong; None without csrc/."""
+    if not (root / "csrc").is_dir():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted([*(root / "csrc").rglob("*"), root / "setup.py"], key=lambda p: p.relative_to(root)):
+        if path.is_file():
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _extension_versions() -> dict[str, Any] | str:
     """torch_convbias.versions() (cuDNN compiled against / loaded, frontend), or the error that prevented it."""
     try:
@@ -104,6 +118,7 @@ def environment() -> dict[str, Any]:
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return {
         **git_commit(),
+        "sources": source_digest(),
         **_gpu(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

@@ -63,6 +63,20 @@ def test_stamp_changes_with_the_sources(tmp_path: Path) -> None:
     assert dev(tree, "stamp").stdout != first.stdout
 
 
+def test_benchmark_records_name_the_stamps_sources(tmp_path: Path) -> None:
+    """bench.common.source_digest (every benchmark JSON's environment["sources"]) is the stamp's sources= of the same
+    tree, before and after a change: a result names the build that ran even where its commit was handed over wrong."""
+    from bench import common
+
+    tree = scratch_tree(tmp_path)
+    for _ in range(2):
+        stamp = dev(tree, "stamp")
+        assert stamp.returncode == 0, stamp.stderr
+        assert f" sources={common.source_digest(tree)}" in stamp.stdout, stamp.stdout
+        (tree / "csrc" / "cuda" / "knobs.h").write_text((tree / "csrc" / "cuda" / "knobs.h").read_text() + "// x\n")
+    assert common.source_digest(tmp_path / "no tree") is None
+
+
 def test_matching_stamp_and_importable_libraries_are_used(tmp_path: Path) -> None:
     tree = scratch_tree(tmp_path)
     stamp = dev(tree, "stamp").stdout.strip()
