@@ -77,7 +77,7 @@ def git_commit() -> dict[str, Any]:
 
 def source_digest(root: Path = REPO_ROOT) -> str | None:
     """The sources a build of this tree compiles (csrc/ and setup.py), hashed as dev.sh's build stamp hashes them
-    (``sources=`` in a prebuild's stamp.txt; tests/test_bench_common.py checks the two agree). Names what ran even
+    (``sources=`` in a prebuild's stamp.txt; tests/test_dev_prebuilt.py checks the two agree). Names what ran even
     where the commit cannot be known or was handed over wrong; None without csrc/."""
     if not (root / "csrc").is_dir():
         return None

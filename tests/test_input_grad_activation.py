@@ -3,8 +3,9 @@ and that gradient's bias sum, in one call (what the convbias backend merges our 
 into, tests/test_backward_fusion.py). Against float64 oracles independent of the op and of ATen's convolutions (the
 tap-sum input gradient of tests/cases.py, then autograd of torch.nn.functional's activation), on the CPU and on CUDA:
 there as the two steps with choices untimed or under TORCH_CONVBIAS_INPUT_GRAD=aten, and by default (=timed) with
-cudnn.benchmark as one conv_dgrad graph with the derivative in it where that measured faster (explain says which, with both times; in subprocesses:
-knobs are read once per process). Argument errors alike in eager and fake mode; opcheck."""
+cudnn.benchmark as one conv_dgrad graph with the derivative in it where that measured faster (explain says which,
+with both times; in subprocesses: knobs are read once per process). Argument errors alike in eager and fake mode;
+opcheck."""
 
 from __future__ import annotations
 

@@ -130,8 +130,8 @@ def explain_param_grad(
     ``TORCH_CONVBIAS_SPACE_TO_DEPTH``: ``blocks``, ``channels``, ``kernel``; null otherwise) with ``space_to_depth_ms``
     / ``own_way_ms``, ``engine`` as in :func:`explain`, and ``batch_parts`` as there (the parts' weight
     gradients summed, in FP32 for half-precision weights). ``input_grad``: the path, problem, timings, notes and engine for the input gradient that autograd computes when the input requires grad (``cudnn graph``: a
-    conv_dgrad graph, with choices timed under ``TORCH_CONVBIAS_INPUT_GRAD=timed`` (the default) where it measured faster,
-    or wherever it builds under ``TORCH_CONVBIAS_INPUT_GRAD=graph``; ``aten``). ``bias_grad``: ``way`` (``kernel``:
+    conv_dgrad graph, with choices timed under ``TORCH_CONVBIAS_INPUT_GRAD=timed`` (the default) where it measured
+    faster, or wherever it builds under ``TORCH_CONVBIAS_INPUT_GRAD=graph``; ``aten``). ``bias_grad``: ``way`` (``kernel``:
     ours; ``cudnn``: a reduction graph; ``aten``: ATen's sum), ``notes`` and, for the kernel, ``launch``
     (``blocks_per_sm``, ``loads_in_flight``, ``bands``: ``contiguous`` or ``interleaved``, ``timed``). ``math``: the flags that select engines. Builds and caches
     plans exactly as the call would; on CUDA that may run the gradients a few times to time candidates.

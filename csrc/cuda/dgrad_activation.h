@@ -8,8 +8,8 @@
 //             param_grad's way (bias_grad.h). Saves writing and re-reading the input gradient.
 // The graph is only ever chosen by measurement: under TORCH_CONVBIAS_INPUT_GRAD=timed (the default) with choices
 // timed, both ways are timed once per key (the bias gradient included in both) and the faster kept; otherwise the
-// separate way runs, as it would without this op. The convbias torch.compile backend puts the op where a backward graph has our
-// input gradient feeding our activation backward (torch_convbias/_backward_fusion.py).
+// separate way runs, as it would without this op. The convbias torch.compile backend puts the op where a backward
+// graph has our input gradient feeding our activation backward (torch_convbias/_backward_fusion.py).
 #pragma once
 
 #include <ATen/core/Tensor.h>
