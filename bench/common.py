@@ -543,3 +543,55 @@ def add_probe_arguments(
 def say(*parts: object) -> None:
     """A probe's progress, time-stamped and flushed (a device run cut short still shows the last step it reached)."""
     print(time.strftime("%H:%M:%S"), *parts, flush=True)
+
+
+def probe_can_run(args: argparse.Namespace, prog: str) -> bool:
+    """Whether a probe can run on ``args.device`` (saying why not), torch.ops.convbias registered when it can."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"{prog}: needs a CUDA GPU (or --device cpu)")
+        return False
+    import torch_convbias  # noqa: F401 - registers torch.ops.convbias
+
+    return True
+
+
+def run_probe_rows(
+    args: argparse.Namespace,
+    results: dict[str, Any],
+    stem: str,
+    items: Iterable[Any],
+    label: Callable[[Any], Sequence[object]],
+    measure: Callable[[Any, Mode], dict[str, Any]],
+    failed_row: Callable[[Any], dict[str, Any]],
+    report: Callable[[str, dict[str, Any]], None],
+    summarize: Callable[[list[dict[str, Any]]], dict[str, Any]],
+) -> str | None:
+    """A probe's rows: each of ``args.modes`` over ``items`` under the mode's flags and cudnn.benchmark, until
+    ``args.budget`` seconds are spent. ``measure(item, mode)`` gives a row, appended to ``results["rows"]``; one that
+    raises is a result too (``failed_row(item)`` with the mode and the error). After each row: ``report(mode_name,
+    row)`` prints it, ``results["summary"] = summarize(rows)``, and the JSON is written (``stem``-<gpu>.json under
+    ``args.out``), so a run cut short keeps what it measured. Prints the summary and the path; returns the path."""
+    rows: list[dict[str, Any]] = results["rows"]
+    path = None
+    items = list(items)
+    begin = time.perf_counter()
+    for name in args.modes:
+        mode = modes()[name]
+        for item in items:
+            if time.perf_counter() - begin > args.budget:
+                say("budget spent: stopping")
+                break
+            say(name, *label(item))
+            try:
+                with mode_flags(mode, cudnn_benchmark=True):
+                    row = measure(item, mode)
+            except Exception as error:  # noqa: BLE001 - an item's failure is a result
+                row = {**failed_row(item), "mode": name, "error": short_error(error)}
+            rows.append(row)
+            free_memory(args.device)
+            report(name, row)
+            results["summary"] = summarize(rows)
+            path = write_json(results, args.out, stem)
+    print("summary", results.get("summary"))
+    print("results:", path or "none")
+    return path

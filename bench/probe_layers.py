@@ -21,7 +21,6 @@ flags, as ``bench_models`` runs. ``python -m bench.probe_layers --model alexnet 
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -161,43 +160,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, nargs="*", default=None, help="indices of the model's convolutions")
     parser.add_argument("--tiny", action="store_true", help="two tiny layers (smoke tests) instead of the model's")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("probe_layers: needs a CUDA GPU (or --device cpu)")
+    if not common.probe_can_run(args, "probe_layers"):
         return 2
-    import torch_convbias  # noqa: F401 - registers torch.ops.convbias
 
     model = "tiny" if args.tiny else args.model
     batch = args.batch or DEFAULT_BATCH[model]
     layers = MODELS[model]
     chosen = args.layers if args.layers else range(len(layers))
-    rows: list[dict[str, Any]] = []
-    results = {"environment": common.environment(), "config": {**vars(args), "model": model, "batch": batch}, "rows": rows}
-    begin = time.perf_counter()
-    path = None
-    for name in args.modes:
-        mode = common.modes()[name]
-        for index in chosen:
-            if time.perf_counter() - begin > args.budget:
-                common.say("budget spent: stopping")
-                break
-            common.say(name, model, "layer", index, layers[index])
-            try:
-                with common.mode_flags(mode, cudnn_benchmark=True):
-                    row = measure_layer(index, layers[index], batch, mode, args)
-            except Exception as error:  # noqa: BLE001 - a layer's failure is a result
-                row = {"layer": index, "mode": name, "error": common.short_error(error)}
-            rows.append(row)
-            common.free_memory(args.device)
-            print(name, "layer", index, {key: round(v, 3) for key, v in (row.get("gpu_ms") or {}).items() if v},
-                  "nn/ours", common.fmt(row.get("nn_over_ours_gpu")), row.get("paths", {}),
-                  "numerics", common.verdict(row.get("numerics_passed")), row.get("error", ""), flush=True)
-            for side_name in SIDES:
-                for kernel_name, ms in ((row.get("gpu_kernels") or {}).get(side_name) or {}).items():
-                    print(f"   {side_name:4} {ms:8.3f} {kernel_name[:110]}")
-            results["summary"] = {m: {f"{side_name}_ms": _total(rows, m, side_name) for side_name in SIDES} for m in args.modes}
-            path = common.write_json(results, args.out, f"{NAME}-{model}")
-    print("summary", results.get("summary"))
-    print("results:", path if rows else "none")
+    config = {**vars(args), "model": model, "batch": batch}
+    results = {"environment": common.environment(), "config": config, "rows": []}
+
+    def report(name: str, row: dict[str, Any]) -> None:
+        print(name, "layer", row["layer"], {key: round(v, 3) for key, v in (row.get("gpu_ms") or {}).items() if v},
+              "nn/ours", common.fmt(row.get("nn_over_ours_gpu")), row.get("paths", {}),
+              "numerics", common.verdict(row.get("numerics_passed")), row.get("error", ""), flush=True)
+        for side_name in SIDES:
+            for kernel_name, ms in ((row.get("gpu_kernels") or {}).get(side_name) or {}).items():
+                print(f"   {side_name:4} {ms:8.3f} {kernel_name[:110]}")
+
+    common.run_probe_rows(
+        args, results, f"{NAME}-{model}", chosen,
+        label=lambda index: (model, "layer", index, layers[index]),
+        measure=lambda index, mode: measure_layer(index, layers[index], batch, mode, args),
+        failed_row=lambda index: {"layer": index},
+        report=report,
+        summarize=lambda rows: {m: {f"{side}_ms": _total(rows, m, side) for side in SIDES} for m in args.modes},
+    )  # fmt: skip
     return 0
 
 

@@ -41,7 +41,6 @@ float64 (``common.check_against_float64``). Where the op has the way itself (``T
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -186,6 +185,11 @@ def measure_row(shape: tuple[Any, ...], mode: common.Mode, args: argparse.Namesp
     return row
 
 
+# The ratios the summary takes the geometric mean of, per mode.
+SUMMARY_RATIOS = ("s2d_over_ours_gpu", "s2d_conv_over_ours_gpu", "s2d_over_aten_gpu", "s2d_wgrad_over_ours_gpu",
+                  "regroup_op_over_regroup_gpu")
+
+
 def _regrouped_wgrad(grads: Sequence[torch.Tensor | None], kernel: Sequence[int], stride: Sequence[int]) -> tuple[Any, Any]:
     grad_w, grad_b = grads
     assert grad_w is not None
@@ -198,42 +202,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shapes", type=int, nargs="*", default=None, help="indices into SHAPES (default all)")
     parser.add_argument("--tiny", action="store_true", help="the tiny shapes (smoke tests) instead of SHAPES")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("probe_space_to_depth: needs a CUDA GPU (or --device cpu)")
+    if not common.probe_can_run(args, "probe_space_to_depth"):
         return 2
-    import torch_convbias  # noqa: F401 - registers torch.ops.convbias
 
     suite = TINY if args.tiny else SHAPES
     shapes = [suite[i] for i in args.shapes] if args.shapes else suite
-    rows: list[dict[str, Any]] = []
-    results = {"environment": common.environment(), "config": {**vars(args), "shapes": shapes}, "rows": rows}
-    begin = time.perf_counter()
-    for name in args.modes:
-        mode = common.modes()[name]
-        for shape in shapes:
-            if time.perf_counter() - begin > args.budget:
-                common.say("budget spent: stopping")
-                break
-            common.say(name, shape[0])
-            try:
-                with common.mode_flags(mode, cudnn_benchmark=True):
-                    row = measure_row(shape, mode, args)
-            except Exception as error:  # noqa: BLE001 - a row's failure is a result
-                row = {"label": shape[0], "mode": name, "shape": list(shape[1:]), "error": common.short_error(error)}
-            rows.append(row)
-            common.free_memory(args.device)
-            print(name, shape[0], {key: round(value, 3) for key, value in row.get("gpu_ms", {}).items()},
-                  {key: round(value, 3) for key, value in row.items() if key.endswith("_gpu")},
-                  "numerics", common.verdict(row.get("numerics_passed")), row.get("error", ""), flush=True)
-            results["summary"] = {
-                m: {key: common.geomean(r.get(key) for r in rows if r["mode"] == m)
-                    for key in ("s2d_over_ours_gpu", "s2d_conv_over_ours_gpu", "s2d_over_aten_gpu", "s2d_wgrad_over_ours_gpu",
-                                "regroup_op_over_regroup_gpu")}
-                for m in args.modes
-            }
-            path = common.write_json(results, args.out, NAME)
-    print("summary", results.get("summary"))
-    print("results:", path if rows else "none")
+    results = {"environment": common.environment(), "config": {**vars(args), "shapes": shapes}, "rows": []}
+
+    def report(name: str, row: dict[str, Any]) -> None:
+        print(name, row["label"], {key: round(value, 3) for key, value in row.get("gpu_ms", {}).items()},
+              {key: round(value, 3) for key, value in row.items() if key.endswith("_gpu")},
+              "numerics", common.verdict(row.get("numerics_passed")), row.get("error", ""), flush=True)
+
+    def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return {m: {key: common.geomean(r.get(key) for r in rows if r["mode"] == m) for key in SUMMARY_RATIOS}
+                for m in args.modes}  # fmt: skip
+
+    common.run_probe_rows(
+        args, results, NAME, shapes,
+        label=lambda shape: (shape[0],),
+        measure=lambda shape, mode: measure_row(shape, mode, args),
+        failed_row=lambda shape: {"label": shape[0], "shape": list(shape[1:])},
+        report=report,
+        summarize=summarize,
+    )  # fmt: skip
     return 0
 
 

@@ -57,3 +57,40 @@ def test_ours_is_judged_against_the_dtype_model_or_nn_conv2d_own_error() -> None
     assert not probe.judge_against_nn(record(6e-4), record(2.5e-4))["passed"]
     assert not probe.judge_against_nn(record(float("nan")), record(2.5e-4))["passed"]
     assert not probe.judge_against_nn(record(1e-3), record(1e-6))["passed"]
+
+
+def test_probe_rows_record_failures_and_stop_at_the_budget(tmp_path: Path) -> None:
+    """common.run_probe_rows, the loop both probes share: every mode over every item, a raising item recorded as a row
+    (its keys, the mode, the error) without stopping the rest, each row reported, summarized and written as it lands;
+    none once the budget is spent."""
+    import argparse
+
+    from bench import common
+
+    def measure(item: int, mode: common.Mode) -> dict:
+        if item == 1:
+            raise ValueError("no engine for item 1")
+        return {"item": item, "mode": mode.name}
+
+    reported: list[tuple[str, int]] = []
+    results: dict = {"rows": []}
+    args = argparse.Namespace(modes=["fp32", "bf16"], budget=60.0, device="cpu", out=str(tmp_path))
+    path = common.run_probe_rows(
+        args, results, "probe-test", range(3), label=lambda item: (item,), measure=measure,
+        failed_row=lambda item: {"item": item}, report=lambda name, row: reported.append((name, row["item"])),
+        summarize=lambda rows: {"rows": len(rows)},
+    )
+    rows = results["rows"]
+    expected = [(mode, item) for mode in ("fp32", "bf16") for item in range(3)]
+    assert [(row["mode"], row["item"]) for row in rows] == reported == expected
+    failed = [row for row in rows if "error" in row]
+    assert [row["mode"] for row in failed] == ["fp32", "bf16"]
+    assert all("no engine for item 1" in row["error"] for row in failed)
+    assert json.loads(Path(path).read_text()) == {"rows": rows, "summary": {"rows": 6}}
+    spent: dict = {"rows": []}
+    args.modes, args.budget = ["fp32"], -1.0
+    assert common.run_probe_rows(
+        args, spent, "probe-test", range(3), label=lambda item: (item,), measure=measure, failed_row=lambda item: {},
+        report=lambda name, row: None, summarize=lambda rows: {},
+    ) is None
+    assert spent == {"rows": []}
