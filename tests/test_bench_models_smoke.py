@@ -93,6 +93,9 @@ def test_kernel_groups_sort_profiler_names_by_kind() -> None:
         "sm90_xmma_dgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc": 3.0,
         "sm90_xmma_wgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc": 2.0,
         "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc": 4.0,
+        # cuDNN's runtime-compiled kernels: the input gradient with ReLU' fused, the weight gradient.
+        "cudnn_generated_fort_native_sm90_convBwdData_pointwise_knob_40_128x128x64_5_0": 0.5,
+        "cudnn_generated_fort_native_sm90_convBwdFilter_knob_7_128x128x64": 0.5,
         "void convbias::cuda::(anonymous namespace)::column_partial_sums<float, 8, true>(...)": 1.0,
         "triton_red_fused_max_pool2d_with_indices_backward_sum_threshold_backward_0": 0.375,
         # Inductor's bias + ReLU after nn.Conv2d: named after the convolution it follows, but a Triton kernel.
@@ -103,7 +106,7 @@ def test_kernel_groups_sort_profiler_names_by_kind() -> None:
     }
     groups = bench_models.kernel_groups(kernels, calls=2)
     assert groups == {
-        "conv_fprop": 2.0, "conv_dgrad": 1.5, "conv_wgrad": 1.0, "ours": 0.5, "inductor": 0.25, "gemm": 0.125,
+        "conv_fprop": 2.0, "conv_dgrad": 1.75, "conv_wgrad": 1.25, "ours": 0.5, "inductor": 0.25, "gemm": 0.125,
         "aten": 0.0625, "other": 0.03125,
     }  # fmt: skip
     assert bench_models.kernel_groups(None, calls=2) is None
