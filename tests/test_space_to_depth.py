@@ -1,6 +1,8 @@
 """The space-to-depth way (csrc/cuda/space_to_depth.*, TORCH_CONVBIAS_SPACE_TO_DEPTH): a strided stem (at most 4 input
 channels, stride above 1) runs as the stride-1 convolution of its input regrouped into stride-sized blocks, with the
-weight regrouped alike; its weight gradient as the regrouped problem's, regrouped back.
+weight regrouped alike; its weight gradient as the regrouped problem's, regrouped back. A stride-1 stem (VGG's 3x3 over
+RGB) likewise runs as a 1x1 convolution over its input unfolded into patches (C * R * S channels, zero-padded to
+16-byte rows).
 
 On the CPU (the regrouping is device-independent, through the test hook ``convbias::_space_to_depth``): the regrouped
 problem's convolution equals the strided one in float64 (the oracle is the original problem, which shares no code with
@@ -80,6 +82,86 @@ def test_the_regrouped_weights_gradient_gives_the_weights(
     actual = torch.ops.convbias._space_to_depth_weight_grad(regrouped_grad, x, w.detach(), list(stride), list(padding))
     assert actual.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
+# (c, size, kernel, padding) of stride-1 stems: VGG's, grey with an unequal kernel, RGBA without padding, a 1x2 kernel.
+PATCHES = [
+    (3, (12, 11), (3, 3), (1, 1)),
+    (1, (9, 10), (5, 3), (2, 0)),
+    (4, (7, 7), (3, 3), (0, 0)),
+    (3, (8, 8), (1, 2), (0, 1)),
+]
+
+
+def patch_channels(c: int, kernel: tuple[int, int], dtype: torch.dtype) -> int:
+    """C * R * S rounded up to 16-byte rows."""
+    per_row = 16 // torch.empty((), dtype=dtype).element_size()
+    return -(-(c * kernel[0] * kernel[1]) // per_row) * per_row
+
+
+def patches_of_padded_input(x: torch.Tensor, kernel: tuple[int, int], padding: tuple[int, int], channels: int) -> torch.Tensor:
+    """The oracle of the unfolding, written from its definition: channel (c, r, s) -> (c * R + r) * S + s of output
+    pixel (i, j) is x zero-padded at (i + r, j + s); the channels past C * R * S are zeros."""
+    n, c = x.shape[:2]
+    padded = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
+    out_h, out_w = padded.shape[2] - kernel[0] + 1, padded.shape[3] - kernel[1] + 1
+    out = torch.zeros(n, channels, out_h, out_w, dtype=x.dtype)
+    for ci in range(c):
+        for r in range(kernel[0]):
+            for s in range(kernel[1]):
+                out[:, (ci * kernel[0] + r) * kernel[1] + s] = padded[:, ci, r : r + out_h, s : s + out_w]
+    return out
+
+
+@pytest.mark.parametrize(("c", "size", "kernel", "padding"), PATCHES)
+def test_unfolded_convolution_equals_the_stem(
+    c: int, size: tuple[int, int], kernel: tuple[int, int], padding: tuple[int, int]
+) -> None:
+    """A stride-1 stem as a 1x1 convolution over its patches (float64: two channels a 16-byte row) equals the stem, the
+    unfolded input is the oracle's, exactly, and the weight's gradient comes back from the 1x1 one."""
+    torch.manual_seed(0)
+    x = torch.randn(2, c, *size, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(5, c, *kernel, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, dtype=torch.float64)
+    xs, ws = regrouped(x, w.detach(), ONES, list(padding))
+    channels = patch_channels(c, kernel, torch.float64)
+    assert xs.shape[1] == ws.shape[1] == channels and list(ws.shape[2:]) == ONES
+    assert xs.is_contiguous(memory_format=torch.channels_last) and ws.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(xs, patches_of_padded_input(x, kernel, padding, channels))
+    expected = F.conv2d(x, w.detach(), b, 1, padding)
+    torch.testing.assert_close(F.conv2d(xs, ws, b), expected, rtol=1e-12, atol=1e-12)
+    ws.requires_grad_()
+    seed = torch.randn_like(expected)
+    (want,) = torch.autograd.grad(F.conv2d(x, w, None, 1, padding), w, seed)
+    (unfolded_grad,) = torch.autograd.grad(F.conv2d(xs, ws), ws, seed)
+    got = torch.ops.convbias._space_to_depth_weight_grad(unfolded_grad, x, w.detach(), ONES, list(padding))
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("c", "size", "kernel", "padding"), PATCHES)
+@pytest.mark.parametrize("layout", ["channels_last", "nchw", "sliced"])
+def test_gpu_unfolding_is_the_patches_of_the_padded_input(
+    dtype: torch.dtype, c: int, size: tuple[int, int], kernel: tuple[int, int], padding: tuple[int, int], layout: str
+) -> None:
+    """The one-pass kernel unfolds patches too: exactly the oracle's tensor, zero padding channels included."""
+    x = input_laid_out(dtype, c, size, layout, "cuda")
+    w = torch.randn(5, c, *kernel, dtype=dtype, device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        xs, ws = regrouped(x, w, ONES, list(padding))
+        torch.cuda.synchronize()
+    channels = patch_channels(c, kernel, dtype)
+    assert xs.is_contiguous(memory_format=torch.channels_last) and xs.data_ptr() % 16 == 0
+    assert torch.equal(xs.cpu(), patches_of_padded_input(x.cpu(), kernel, padding, channels))
+    taps = c * kernel[0] * kernel[1]
+    assert torch.equal(ws.reshape(5, channels)[:, :taps].cpu(), w.reshape(5, taps).cpu())
+    assert not ws.reshape(5, channels)[:, taps:].any()
+    events = [event.name for event in profile.events()]
+    if not events:
+        pytest.skip("the profiler recorded no CUDA activity here (compute-sanitizer?): values checked, kernel not seen")
+    assert any("regroup_blocks" in name for name in events), events
 
 
 def blocks_of_padded_input(x: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int],
@@ -175,7 +257,12 @@ def test_any_input_layout_is_regrouped() -> None:
 @pytest.mark.parametrize(
     ("c", "kernel", "stride", "dilation", "groups", "applies"),
     [
-        (3, 3, 1, 1, 1, False),  # stride 1: nothing to regroup
+        (3, 3, 1, 1, 1, True),  # stride 1: patches, 27 channels
+        (4, 4, 1, 1, 1, True),  # RGBA 4x4: 64 channels, the most patches take
+        (3, 5, 1, 1, 1, False),  # 5x5 RGB: 75 channels, more than the patches would be worth
+        (3, 1, 1, 1, 1, False),  # 1x1 stride 1: already one pixel a patch
+        (3, 3, 1, 2, 1, False),  # dilated patches
+        (8, 3, 1, 1, 1, False),  # 8 channels at stride 1: not a stem
         (8, 3, 2, 1, 1, False),  # 8 channels: not a stem
         (4, 3, 2, 1, 2, False),  # grouped
         (3, 3, 2, 2, 1, False),  # dilated
@@ -201,7 +288,8 @@ def test_a_regrouped_input_past_32_bit_indexing_is_not_taken() -> None:
 
 
 # (n, c, hw, k, kernel, stride, padding, dtype name, activation, channels_last): AlexNet's and ResNet's stems scaled
-# down, a 3x3 stride-2 stem, grey and RGBA inputs, relu / gelu / identity, and an NCHW case (via channels_last copies).
+# down, a 3x3 stride-2 stem, grey and RGBA inputs, relu / gelu / identity, an NCHW case (via channels_last copies), and
+# VGG's stride-1 stem (patches).
 CASES = [
     (4, 3, 43, 16, 11, 4, 2, "bfloat16", "relu", True),
     (4, 3, 30, 16, 7, 2, 3, "float16", "relu", True),
@@ -209,6 +297,8 @@ CASES = [
     (3, 4, 17, 8, 3, 2, 1, "bfloat16", "identity", True),
     (3, 1, 20, 8, 5, 2, 2, "float32", "relu", True),
     (2, 3, 30, 16, 7, 2, 3, "bfloat16", "relu", False),
+    (3, 3, 20, 16, 3, 1, 1, "bfloat16", "relu", True),  # VGG's stem scaled down: patches, 27 -> 32 channels
+    (3, 3, 20, 16, 3, 1, 1, "float32", "gelu", True),  # 27 -> 28 channels
 ]
 
 # Runs CASES (forward and, under autograd, every gradient) against float64 and prints, per case, what explain() says.
@@ -264,20 +354,33 @@ def run(tuning: str, **knobs: str) -> dict[str, Any]:
     return run_script_with_knobs(SCRIPT, tuning, **knobs)
 
 
+def names_the_way(note: str) -> bool:
+    return "regrouped into" in note or "unfolded into" in note
+
+
 def regrouped_problem_runs_aten(notes: list[str]) -> bool:
-    return any("regrouped into" in note and "plan is ATen's" in note for note in notes)
+    return any(names_the_way(note) and "plan is ATen's" in note for note in notes)
 
 
 def weight_grad_applies(case: tuple[Any, ...]) -> bool:
     """The weight gradient's way: channels_last, x's channel rows misaligned and the regrouped ones 16-byte multiples."""
     _, c, _, _, _, stride, _, mode_name, _, channels_last = case
     size = {"bfloat16": 2, "float16": 2, "float32": 4}[mode_name]
-    return channels_last and (c * size) % 16 != 0 and (c * stride * stride * size) % 16 == 0
+    regrouped_rows_aligned = stride == 1 or (c * stride * stride * size) % 16 == 0  # patches: padded to 16 bytes
+    return channels_last and (c * size) % 16 != 0 and regrouped_rows_aligned
+
+
+def regrouped_channels(c: int, r: int, stride: int, mode_name: str) -> int:
+    if stride == 1:
+        return patch_channels(c, (r, r), getattr(torch, mode_name))
+    return c * stride * stride
 
 
 def expected_regrouping(case: tuple[Any, ...]) -> dict[str, Any]:
-    _, c, _, _, r, stride, *_ = case
-    return {"blocks": [stride, stride], "channels": c * stride * stride, "kernel": [-(-r // stride)] * 2}
+    _, c, _, _, r, stride, _, mode_name, *_ = case
+    if stride == 1:
+        return {"blocks": [r, r], "channels": regrouped_channels(c, r, 1, mode_name), "kernel": [1, 1], "patches": True}
+    return {"blocks": [stride, stride], "channels": c * stride * stride, "kernel": [-(-r // stride)] * 2, "patches": False}
 
 
 @cuda
@@ -291,13 +394,15 @@ def test_forced_way_matches_conv2d_and_is_reported() -> None:
             assert row["s2d"] is None, row
             continue
         s2d = row["s2d"]
-        assert s2d is not None and {key: s2d[key] for key in ("blocks", "channels", "kernel")} == expected_regrouping(case), row
+        keys = ("blocks", "channels", "kernel", "patches")
+        assert s2d is not None and {key: s2d[key] for key in keys} == expected_regrouping(case), row
         assert row["s2d_for_backward"] is not None, row
-        assert any("regrouped into" in note and "SPACE_TO_DEPTH=on" in note for note in row["notes"]), row
+        assert any(names_the_way(note) and "SPACE_TO_DEPTH=on" in note for note in row["notes"]), row
         taken.append(index)
     # Where the regrouped rows are 16-byte multiples (48 bf16, 16 bf16, 12 and 4 float32 channels) a graph runs them;
-    # 12 channels in 16-bit (24-byte rows) may have none untimed (the padded way needs timed choices).
-    assert {0, 2, 3, 4} <= set(taken), report["rows"]
+    # 12 channels in 16-bit (24-byte rows) may have none untimed (the padded way needs timed choices). The patches
+    # (6, 7) are padded to 16-byte rows.
+    assert {0, 2, 3, 4, 6, 7} <= set(taken), report["rows"]
     # The weight gradient (checked against float64 by the script): regrouped wherever its way applies and a graph runs
     # the regrouped problem.
     for case, row in zip(CASES, report["rows"]):
@@ -327,7 +432,8 @@ def test_timed_choice_measures_both_ways_and_keeps_the_faster() -> None:
             # The padded way won over regrouping this problem; its own plan (float32 C=3 padded to 4) may regroup the
             # padded problem, which explain reports.
             assert timings["space_to_depth"] >= own, row
-            assert row["s2d"] is None or row["s2d"]["channels"] == row["padded"] * case[5] ** 2, row
+            padded_problem = regrouped_channels(row["padded"], case[4], case[5], case[7])
+            assert row["s2d"] is None or row["s2d"]["channels"] == padded_problem, row
         else:
             assert (row["s2d"] is not None) == (timings["space_to_depth"] < own), row
         measured += 1

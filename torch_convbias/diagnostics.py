@@ -56,7 +56,9 @@ def explain(
     ``TORCH_CONVBIAS_PAD_CHANNELS``; null when it ran as it is), ``space_to_depth`` (a strided stem of at most 4
     channels run as a stride-1 convolution over its input regrouped into stride-sized blocks,
     ``TORCH_CONVBIAS_SPACE_TO_DEPTH``: ``blocks``, the regrouped ``channels`` and ``kernel``, and the regrouped
-    problem's ``padded_channels``; null when it ran its own way), ``converted_input``, ``output``,
+    problem's ``padded_channels``; or, ``patches`` true, a stride-1 stem run as a 1x1 convolution over its input
+    unfolded into ``blocks``-sized patches, ``channels`` = C * R * S zero-padded to 16-byte rows; null when it ran its
+    own way), ``converted_input``, ``output``,
     ``alignment``, ``math`` (the flags that select engines), ``graph_ops`` (the cuDNN graph's operations in order,
     e.g. ``["CONV_FPROP", "ADD", "RELU_FWD"]``; empty on the ATen path), ``activation`` (``name``; ``fused``: true when
     the activation is the graph's last node, its epilogue, false when ATen's pointwise kernel runs it after the graph
@@ -127,7 +129,8 @@ def explain_param_grad(
     faster kept; -1 when not measured), ``padded_channels`` (the input channel count the gradient ran with on a
     zero-padded copy of the input, ``TORCH_CONVBIAS_PAD_CHANNELS``; null when as it is) with ``padded_ms`` / ``as_is_ms``
     (the two ways, when measured), ``space_to_depth`` (a strided stem's gradient computed as the regrouped problem's,
-    ``TORCH_CONVBIAS_SPACE_TO_DEPTH``: ``blocks``, ``channels``, ``kernel``; null otherwise) with ``space_to_depth_ms``
+    ``TORCH_CONVBIAS_SPACE_TO_DEPTH``: ``blocks``, ``channels``, ``kernel``, ``patches`` as in :func:`explain`; null
+    otherwise) with ``space_to_depth_ms``
     / ``own_way_ms``, ``engine`` as in :func:`explain`, and ``batch_parts`` as there (the parts' weight
     gradients summed, in FP32 for half-precision weights). ``input_grad``: the path, problem, timings, notes and engine for the input gradient that autograd computes when the input requires grad (``cudnn graph``: a
     conv_dgrad graph, with choices timed under ``TORCH_CONVBIAS_INPUT_GRAD=timed`` (the default) where it measured

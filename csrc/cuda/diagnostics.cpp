@@ -86,6 +86,7 @@ Json space_to_depth_json(const cuda::PreparedForward& prepared, const cuda::Fpro
   const cuda::FpropProblem regrouped = problem.with_space_to_depth();
   return Json{
       {"blocks", {g->block[0], g->block[1]}},
+      {"patches", g->patches},
       {"channels", g->channels(problem.x_dims[1])},
       {"kernel", {g->kernel_blocks[0], g->kernel_blocks[1]}},
       {"padded_channels",
@@ -242,6 +243,7 @@ std::string explain_param_grad_cuda(
     // Or, a strided stem's, as the regrouped problem (space_to_depth.h).
     const auto g = plan.via_space_to_depth ? weight_route.problem.space_to_depth() : std::nullopt;
     weight_grad["space_to_depth"] = g ? Json{{"blocks", {g->block[0], g->block[1]}},
+                                             {"patches", g->patches},
                                              {"channels", g->channels(weight_route.problem.x_dims[1])},
                                              {"kernel", {g->kernel_blocks[0], g->kernel_blocks[1]}}}
                                       : Json();
@@ -500,7 +502,8 @@ std::vector<at::Tensor> space_to_depth(
     at::IntArrayRef dilation, int64_t groups) {
   const ConvParams params = check_forward_args(input, weight, std::nullopt, stride, padding, dilation, groups);
   const auto dims = [](const at::Tensor& t) { return std::array<int64_t, 4>{t.size(0), t.size(1), t.size(2), t.size(3)}; };
-  const auto g = cuda::space_to_depth_of(dims(input), dims(weight), output_size(input, weight, params), params);
+  const auto g = cuda::space_to_depth_of(
+      dims(input), dims(weight), output_size(input, weight, params), params, input.element_size());
   if (!g) {
     return {};
   }
@@ -512,7 +515,8 @@ at::Tensor space_to_depth_weight_grad(
     at::IntArrayRef padding) {
   const ConvParams params = check_forward_args(input, weight, std::nullopt, stride, padding, {1, 1}, 1);
   const auto dims = [](const at::Tensor& t) { return std::array<int64_t, 4>{t.size(0), t.size(1), t.size(2), t.size(3)}; };
-  const auto g = cuda::space_to_depth_of(dims(input), dims(weight), output_size(input, weight, params), params);
+  const auto g = cuda::space_to_depth_of(
+      dims(input), dims(weight), output_size(input, weight, params), params, input.element_size());
   TORCH_CHECK_VALUE(g, "_space_to_depth_weight_grad: the space-to-depth way does not apply to these arguments");
   return cuda::weight_grad_from_space_to_depth(grad, *g, {weight.size(2), weight.size(3)});
 }

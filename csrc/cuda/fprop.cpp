@@ -1035,7 +1035,8 @@ FpropProblem FpropProblem::with_padded_channels() const {
 }
 
 std::optional<SpaceToDepth> FpropProblem::space_to_depth() const {
-  return channels_last && !has_residual ? space_to_depth_of(x_dims, w_dims, y_dims, params) : std::nullopt;
+  return channels_last && !has_residual ? space_to_depth_of(x_dims, w_dims, y_dims, params, c10::elementSize(dtype))
+                                        : std::nullopt;
 }
 
 FpropProblem FpropProblem::with_space_to_depth() const {

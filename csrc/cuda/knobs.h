@@ -25,7 +25,8 @@ struct Knobs {
   // channels leave misaligned rows may run on zero-padded copies (pad_channels.h)
   std::string pad_channels;
   // TORCH_CONVBIAS_SPACE_TO_DEPTH: auto (measured when choices are timed) | on | off: whether a strided stem's forward
-  // may run as a stride-1 convolution over its input regrouped into blocks (space_to_depth.h)
+  // may run as a stride-1 convolution over its input regrouped into blocks, a stride-1 stem's as a 1x1 convolution
+  // over its unfolded patches (space_to_depth.h)
   std::string space_to_depth;
   bool workspace_fallback; // TORCH_CONVBIAS_WORKSPACE_FALLBACK: on (default) | off: raise when a workspace fails
   std::string plan_cache_dir; // TORCH_CONVBIAS_PLAN_CACHE_DIR: persistent plan cache directory ("" = none)

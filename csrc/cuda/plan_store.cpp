@@ -45,7 +45,9 @@ namespace fs = std::filesystem;
 //    before may be one.
 // 9: "via_space_to_depth" in forward and weight-gradient records (a strided stem run over its regrouped input; the
 //    weight gradient's also "space_to_depth_ms" / "own_way_ms"), the SPACE_TO_DEPTH knob.
-constexpr int64_t kFormatVersion = 9;
+// 10: "via_space_to_depth" also for stride-1 stems (run as a 1x1 convolution over their unfolded patches): choices
+//    timed before never measured that way.
+constexpr int64_t kFormatVersion = 10;
 constexpr char kMagic[8] = {'C', 'V', 'B', 'P', 'L', 'A', 'N', '1'};
 
 std::atomic<int64_t> hit_count{0}, miss_count{0}, write_count{0}, reject_count{0};

@@ -326,7 +326,7 @@ WgradProblem WgradProblem::with_padded_channels() const {
 
 std::optional<SpaceToDepth> WgradProblem::space_to_depth() const {
   const int64_t size = c10::elementSize(dtype);
-  auto g = space_to_depth_of(x_dims, w_dims, dy_dims, params);
+  auto g = space_to_depth_of(x_dims, w_dims, dy_dims, params, size);
   if (!g || (x_dims[1] * size) % 16 == 0 || (g->channels(x_dims[1]) * size) % 16 != 0) {
     return std::nullopt;
   }
