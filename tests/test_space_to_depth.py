@@ -238,8 +238,11 @@ def test_gpu_regrouping_is_the_blocks_of_the_padded_input(
 
 
 def test_weight_grad_hook_refuses_problems_without_the_way() -> None:
-    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+    x, w = torch.randn(2, 8, 8, 8), torch.randn(4, 8, 3, 3)  # 8 channels: not a stem
     with pytest.raises(ValueError, match="the space-to-depth way does not apply"):
+        torch.ops.convbias._space_to_depth_weight_grad(torch.randn(4, 8, 3, 3), x, w, [1, 1], [1, 1])
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)  # VGG's stem: 27 patch channels, 28 in float32's 16-byte rows
+    with pytest.raises(ValueError, match=r"grad must have the regrouped weight's shape \[4, 28, 1, 1\]"):
         torch.ops.convbias._space_to_depth_weight_grad(torch.randn(4, 3, 3, 3), x, w, [1, 1], [1, 1])
 
 

@@ -518,6 +518,10 @@ at::Tensor space_to_depth_weight_grad(
   const auto g = cuda::space_to_depth_of(
       dims(input), dims(weight), output_size(input, weight, params), params, input.element_size());
   TORCH_CHECK_VALUE(g, "_space_to_depth_weight_grad: the space-to-depth way does not apply to these arguments");
+  const auto regrouped = g->weight_dims(dims(weight));
+  TORCH_CHECK_VALUE(
+      grad.dim() == 4 && grad.sizes() == at::IntArrayRef(regrouped), "_space_to_depth_weight_grad: grad must have the ",
+      "regrouped weight's shape ", at::IntArrayRef(regrouped), ", got ", grad.sizes());
   return cuda::weight_grad_from_space_to_depth(grad, *g, {weight.size(2), weight.size(3)});
 }
 
