@@ -12,7 +12,9 @@ blocks (space-to-depth), with the weight regrouped alike (zeros where the kernel
 
 AlexNet's stem becomes 48 channels, 3x3 (1.19x the multiply-adds, the zeros); ResNet's 12 channels, 4x4 (1.31x).
 Whether that is faster on the GPU, with the regrouping's pass over the input counted, is what this measures before
-the op gets such a way. Per shape and mode, all with bias and ReLU (the stems' own):
+the op gets such a way. A stride-1 stem (VGG's 3x3 over RGB) has no blocks: its rows unfold the input into patches
+instead (``C * R * S`` channels zero-padded to 16-byte rows, a 1x1 kernel), the op's ``patches`` way; the variants
+below then name the unfolded problem. Per shape and mode, all with bias and ReLU (the stems' own):
 
 =================  ===============================================================================================
 aten               ``F.relu(F.conv2d(x, w, b, stride, padding))``: nn.Conv2d's computation
@@ -56,8 +58,14 @@ SHAPES = [
     ("alexnet stem, training batch", 512, 3, 224, 64, 11, 4, 2),
     ("resnet50 stem", 256, 3, 224, 64, 7, 2, 3),
     ("3x3 stride-2 stem (MobileNet, EfficientNet)", 512, 3, 224, 32, 3, 2, 1),
+    ("vgg stem, inference batch (patches)", 256, 3, 224, 64, 3, 1, 1),
+    ("vgg stem, training batch (patches)", 128, 3, 224, 64, 3, 1, 1),
 ]
-TINY = [("tiny 5x5 stride 2", 2, 3, 13, 4, 5, 2, 1), ("tiny 11x11 stride 4", 2, 3, 30, 4, 11, 4, 2)]
+TINY = [
+    ("tiny 5x5 stride 2", 2, 3, 13, 4, 5, 2, 1),
+    ("tiny 11x11 stride 4", 2, 3, 30, 4, 11, 4, 2),
+    ("tiny 3x3 stride 1 (patches)", 2, 3, 9, 4, 3, 1, 1),
+]
 FORWARD = ("aten", "ours", "ours_s2d", "ours_s2d_conv", "aten_s2d_conv", "regroup", "regroup_op")
 WGRAD = ("ours_wgrad", "ours_s2d_wgrad")
 
@@ -108,6 +116,37 @@ def weight_grad_from_space_to_depth(grad: torch.Tensor, kernel: Sequence[int], s
     return whole[:, :, :r, :s].contiguous(memory_format=torch.channels_last)
 
 
+def patch_channels(taps: int, dtype: torch.dtype) -> int:
+    """The unfolded channels ``taps`` = C * R * S rounded up to 16-byte rows, as the op pads them."""
+    per_row = 16 // torch.empty((), dtype=dtype).element_size()
+    return -(-taps // per_row) * per_row
+
+
+def patches_input(x: torch.Tensor, kernel: Sequence[int], padding: Sequence[int], channels: int) -> torch.Tensor:
+    """x unfolded into kernel-sized patches at stride 1 (``F.unfold``'s (c, r, s) order): channels_last [N, channels,
+    P, Q], the channels past C * R * S zeros."""
+    n = x.shape[0]
+    p, q = (x.shape[2 + d] + 2 * padding[d] - kernel[d] + 1 for d in range(2))
+    columns = F.unfold(x, list(kernel), padding=list(padding))  # [N, C*R*S, P*Q]
+    out = x.new_zeros(n, p, q, channels)
+    out[..., : columns.shape[1]] = columns.transpose(1, 2).reshape(n, p, q, -1)
+    return out.permute(0, 3, 1, 2)
+
+
+def patches_weight(w: torch.Tensor, channels: int) -> torch.Tensor:
+    """The 1x1 weight over the patches: w's (c, r, s) entries as channels, zeros past them."""
+    k, taps = w.shape[0], w[0].numel()
+    out = w.new_zeros(k, channels, 1, 1)
+    out[:, :taps, 0, 0] = w.reshape(k, taps)
+    return out.contiguous(memory_format=torch.channels_last)
+
+
+def weight_grad_from_patches(grad: torch.Tensor, weight_shape: Sequence[int]) -> torch.Tensor:
+    """The original weight's gradient from the 1x1 weight's: its first C * R * S channels, shaped back."""
+    k, c, r, s = weight_shape
+    return grad[:, : c * r * s, 0, 0].reshape(k, c, r, s).contiguous(memory_format=torch.channels_last)
+
+
 def measure_row(shape: tuple[Any, ...], mode: common.Mode, args: argparse.Namespace) -> dict[str, Any]:
     label, n, c, side, k, kernel, stride, padding = shape
     device = args.device
@@ -122,22 +161,33 @@ def measure_row(shape: tuple[Any, ...], mode: common.Mode, args: argparse.Namesp
     x, dy = draw(n, c, side, side), draw(n, k, out, out)
     w = draw(k, c, kernel, kernel, scale=(c * kernel * kernel) ** -0.5)
     b = draw(k)
-    xs, ws = space_to_depth_input(x, kernels, strides, paddings), space_to_depth_weight(w, strides)
+    # The regrouping this shape takes: blocks for a strided stem, patches at stride 1 (the module docstring).
+    patches = stride == 1
+    channels = patch_channels(c * kernel * kernel, mode.dtype)
+    regroup_x: Callable[[], torch.Tensor] = (
+        (lambda: patches_input(x, kernels, paddings, channels)) if patches
+        else (lambda: space_to_depth_input(x, kernels, strides, paddings))
+    )  # fmt: skip
+    regroup_w = (lambda: patches_weight(w, channels)) if patches else (lambda: space_to_depth_weight(w, strides))
+    back: Callable[[torch.Tensor], torch.Tensor] = (
+        (lambda grad: weight_grad_from_patches(grad, w.shape)) if patches
+        else (lambda grad: weight_grad_from_space_to_depth(grad, kernels, strides))
+    )  # fmt: skip
+    xs, ws = regroup_x(), regroup_w()
     row: dict[str, Any] = {"label": label, "mode": mode.name, "shape": list(shape[1:]),
-                           "regrouped": {"input": list(xs.shape), "weight": list(ws.shape)}}
+                           "regrouped": {"input": list(xs.shape), "weight": list(ws.shape), "patches": patches}}
     forward = torch.ops.convbias.forward
     param_grad = torch.ops.convbias.param_grad
     fns: dict[str, Callable[[], Any]] = {
         "aten": lambda: F.relu(F.conv2d(x, w, b, strides, paddings)),
         "ours": lambda: forward(x, w, b, strides, paddings, ones, 1, "relu"),
-        "ours_s2d": lambda: forward(space_to_depth_input(x, kernels, strides, paddings), space_to_depth_weight(w, strides),
-                                    b, ones, [0, 0], ones, 1, "relu"),
+        "ours_s2d": lambda: forward(regroup_x(), regroup_w(), b, ones, [0, 0], ones, 1, "relu"),
         "ours_s2d_conv": lambda: forward(xs, ws, b, ones, [0, 0], ones, 1, "relu"),
         "aten_s2d_conv": lambda: F.relu(F.conv2d(xs, ws, b)),
-        "regroup": lambda: space_to_depth_input(x, kernels, strides, paddings),
+        "regroup": regroup_x,
         "regroup_op": lambda: torch.ops.convbias._space_to_depth(x, w, strides, paddings, ones, 1)[0],
         "ours_wgrad": lambda: param_grad(dy, x, w, strides, paddings, ones, 1, [True, True]),
-        "ours_s2d_wgrad": lambda: _regrouped_wgrad(param_grad(dy, xs, ws, ones, [0, 0], ones, 1, [True, True]), kernels, strides),
+        "ours_s2d_wgrad": lambda: _regrouped_wgrad(param_grad(dy, xs, ws, ones, [0, 0], ones, 1, [True, True]), back),
     }
     with torch.no_grad():
         x64, w64, b64, dy64 = x.double(), w.double(), b.double(), dy.double()
@@ -190,10 +240,12 @@ SUMMARY_RATIOS = ("s2d_over_ours_gpu", "s2d_conv_over_ours_gpu", "s2d_over_aten_
                   "regroup_op_over_regroup_gpu")
 
 
-def _regrouped_wgrad(grads: Sequence[torch.Tensor | None], kernel: Sequence[int], stride: Sequence[int]) -> tuple[Any, Any]:
+def _regrouped_wgrad(
+    grads: Sequence[torch.Tensor | None], back: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[Any, Any]:
     grad_w, grad_b = grads
     assert grad_w is not None
-    return weight_grad_from_space_to_depth(grad_w, kernel, stride), grad_b
+    return back(grad_w), grad_b
 
 
 def main(argv: Sequence[str] | None = None) -> int:

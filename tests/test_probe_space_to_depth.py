@@ -45,6 +45,30 @@ def test_regrouped_problem_equals_the_strided_convolution(
     torch.testing.assert_close(actual_grad, expected_grad, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize(("size", "kernel", "padding"), [((12, 11), (3, 3), (1, 1)), ((9, 10), (5, 3), (2, 0))])
+def test_unfolded_problem_equals_the_stride_one_stem(
+    size: tuple[int, int], kernel: tuple[int, int], padding: tuple[int, int]
+) -> None:
+    """A stride-1 stem as the 1x1 convolution over its patches (float64: rows of two channels), and the weight's
+    gradient back from the 1x1 weight's, against the stem itself."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, *size, dtype=torch.float64)
+    w = torch.randn(5, 3, *kernel, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, dtype=torch.float64)
+    expected = F.conv2d(x, w, b, 1, padding)
+    channels = probe.patch_channels(3 * kernel[0] * kernel[1], torch.float64)
+    xs = probe.patches_input(x, kernel, padding, channels)
+    ws = probe.patches_weight(w.detach(), channels).requires_grad_()
+    assert xs.shape[1] == ws.shape[1] == channels and channels % 2 == 0 and channels - 3 * kernel[0] * kernel[1] < 2
+    actual = F.conv2d(xs, ws, b)
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+    seed = torch.randn_like(expected)
+    (expected_grad,) = torch.autograd.grad(expected, w, seed)
+    (unfolded_grad,) = torch.autograd.grad(actual, ws, seed)
+    actual_grad = probe.weight_grad_from_patches(unfolded_grad, w.shape)
+    torch.testing.assert_close(actual_grad, expected_grad, rtol=1e-12, atol=1e-12)
+
+
 def test_geometry_names_a_kernel_that_does_not_fit() -> None:
     with pytest.raises(ValueError, match="kernel 11 with padding 0 does not fit an input of size 5"):
         probe.regrouped_geometry(5, 11, 4, 0)
