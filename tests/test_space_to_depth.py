@@ -290,6 +290,16 @@ def test_a_regrouped_input_past_32_bit_indexing_is_not_taken() -> None:
     assert regrouped(too_big, w, [4, 4], [2, 2]) == []
 
 
+def test_patches_past_32_bit_indexing_are_not_taken() -> None:
+    """The patches have C * R * S channels (padded) where the input has C: past INT32_MAX elements the way does not
+    apply (meta tensors, float32: 28 channels)."""
+    w = torch.empty(64, 3, 3, 3, device="meta")
+    fits = torch.empty(1024, 3, 224, 224, device="meta")  # 1024 * 28 * 224 * 224 = 1.44e9 elements
+    too_big = torch.empty(1600, 3, 224, 224, device="meta")  # 2.25e9
+    assert [list(t.shape) for t in regrouped(fits, w, ONES, ONES)] == [[1024, 28, 224, 224], [64, 28, 1, 1]]
+    assert regrouped(too_big, w, ONES, ONES) == []
+
+
 # (n, c, hw, k, kernel, stride, padding, dtype name, activation, channels_last): AlexNet's and ResNet's stems scaled
 # down, a 3x3 stride-2 stem, grey and RGBA inputs, relu / gelu / identity, an NCHW case (via channels_last copies), and
 # VGG's stride-1 stem (patches).

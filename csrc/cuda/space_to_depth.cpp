@@ -38,8 +38,9 @@ at::Tensor unfold_patches(const at::Tensor& t, const SpaceToDepth& g) {
   const at::Tensor padded = at::constant_pad_nd(t, {g.before[1], g.before[1], g.before[0], g.before[0]}, 0);
   const auto st = padded.strides();
   const at::Tensor windows = padded.as_strided({a, p, q, c, r, s}, {st[0], st[2], st[3], st[1], st[2], st[3]});
-  at::Tensor out = at::zeros({a, p, q, g.patch_channels}, t.options());
+  at::Tensor out = at::empty({a, p, q, g.patch_channels}, t.options());
   out.narrow(3, 0, taps).view({a, p, q, c, r, s}).copy_(windows);
+  out.narrow(3, taps, g.patch_channels - taps).zero_(); // only the padding channels: the rest was just written
   return out.permute({0, 3, 1, 2});
 }
 
