@@ -84,12 +84,16 @@ def test_the_regrouped_weights_gradient_gives_the_weights(
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
 
 
-# (c, size, kernel, padding) of stride-1 stems: VGG's, grey with an unequal kernel, RGBA without padding, a 1x2 kernel.
+# (c, size, kernel, padding) of stride-1 stems: VGG's, grey with an unequal kernel, RGBA without padding, a 1x2 kernel,
+# VGG's over rows of three tiles of the GPU's unfolding (128 pixels) with a partial last one, and 64 kernel rows (the
+# most the unfolding stages: 64 input rows of a tile).
 PATCHES = [
     (3, (12, 11), (3, 3), (1, 1)),
     (1, (9, 10), (5, 3), (2, 0)),
     (4, (7, 7), (3, 3), (0, 0)),
     (3, (8, 8), (1, 2), (0, 1)),
+    (3, (5, 261), (3, 3), (1, 1)),
+    (1, (66, 4), (64, 1), (0, 0)),
 ]
 
 
@@ -146,7 +150,7 @@ def test_unfolded_convolution_equals_the_stem(
 def test_gpu_unfolding_is_the_patches_of_the_padded_input(
     dtype: torch.dtype, c: int, size: tuple[int, int], kernel: tuple[int, int], padding: tuple[int, int], layout: str
 ) -> None:
-    """The one-pass kernel unfolds patches too: exactly the oracle's tensor, zero padding channels included."""
+    """The GPU's unfolding (unfold_patches.cu) gives exactly the oracle's tensor, zero padding channels included."""
     x = input_laid_out(dtype, c, size, layout, "cuda")
     w = torch.randn(5, c, *kernel, dtype=dtype, device="cuda")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
@@ -161,7 +165,7 @@ def test_gpu_unfolding_is_the_patches_of_the_padded_input(
     events = [event.name for event in profile.events()]
     if not events:
         pytest.skip("the profiler recorded no CUDA activity here (compute-sanitizer?): values checked, kernel not seen")
-    assert any("regroup_blocks" in name for name in events), events
+    assert any("unfold_patches" in name for name in events), events
 
 
 def blocks_of_padded_input(x: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int],

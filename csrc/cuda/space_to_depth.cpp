@@ -110,7 +110,7 @@ std::optional<SpaceToDepth> space_to_depth_of(
 
 at::Tensor space_to_depth_input(const at::Tensor& x, const SpaceToDepth& g) {
   if (regroups_on_gpu(x)) {
-    return regroup_input_on_gpu(x, g);
+    return g.patches ? unfold_patches_on_gpu(x, g) : regroup_input_on_gpu(x, g);
   }
   return g.patches ? unfold_patches(x, g) : regroup(x, g.block, g.input_blocks, g.before, g.after);
 }

@@ -86,10 +86,12 @@ std::optional<SpaceToDepth> space_to_depth_of(
 // and current stream; any layout of x.
 at::Tensor space_to_depth_input(const at::Tensor& x, const SpaceToDepth& g);
 
-// The regrouping of an input in one pass on the GPU (space_to_depth_regroup.cu), which space_to_depth_input takes
-// wherever regroups_on_gpu: a 4-D CUDA tensor of 2 or 4-byte elements (float16, bfloat16, float32), any layout.
+// The regrouping of an input into blocks in one pass on the GPU (space_to_depth_regroup.cu), and its unfolding into
+// patches (unfold_patches.cu), which space_to_depth_input takes wherever regroups_on_gpu: a 4-D CUDA tensor of 2 or
+// 4-byte elements (float16, bfloat16, float32), any layout.
 bool regroups_on_gpu(const at::Tensor& x);
 at::Tensor regroup_input_on_gpu(const at::Tensor& x, const SpaceToDepth& g);
+at::Tensor unfold_patches_on_gpu(const at::Tensor& x, const SpaceToDepth& g);
 
 // w [K, C, R, S] regrouped: a new channels_last [K, C*sh*sw, kernel_blocks...] tensor, zeros past the kernel (patches:
 // [K, patch_channels, 1, 1], zeros past C * R * S).

@@ -1,8 +1,8 @@
 // space_to_depth.h's regrouping of an input on the GPU in one pass: every output word is written once, from the input
 // or as a zero of the padding. ATen's way (constant_pad_nd, then a six-dimensional permuted copy) makes two passes
 // over the data, the second with 12 to 24-byte runs: on the H100 it took 1.40 ms for AlexNet's bf16 stem at batch
-// 1024, twice the regrouped convolution (bench/results/space_to_depth-nvidia-h100-80gb-hbm3.json). The same pass
-// unfolds a stride-1 stem's patches: a patch is a block whose output pixels step by one input pixel, not by a block.
+// 1024, twice the regrouped convolution (bench/results/space_to_depth-nvidia-h100-80gb-hbm3.json). A stride-1 stem's
+// patches, which overlap, have a kernel of their own (unfold_patches.cu).
 #include "cuda/space_to_depth.h"
 #include "cuda/grid_stride.h"
 
@@ -25,14 +25,13 @@ struct RegroupShape {
   int32_t block_h, block_w; // pixels per block
   int32_t blocks_h, blocks_w; // the output's spatial size
   int32_t before_h, before_w; // the padding before the input, per dimension
-  int32_t step_h, step_w; // input pixels from one output pixel to the next: the block (blocks) or 1 (patches)
-  int32_t row; // the output's channels: C * block_h * block_w, or more for patches (their zero padding: c >= C)
+  int32_t row; // the output's channels: C * block_h * block_w
 };
 
 // One thread per Store (16, 8, 4 or 2 bytes: the widest that divides the output's rows, so that a thread's words
 // lie in one output pixel's row and its store is aligned) of consecutive words of the output. Word is the element's
 // raw bits (zero bits are +0.0 in every floating type). The word's channel (c, a, b) = c * bh * bw + a * bw + b reads
-// x[n, hb * step_h + a - before_h, wb * step_w + b - before_w, c]; the walk over (c, a, b) carries instead of dividing.
+// x[n, hb * block_h + a - before_h, wb * block_w + b - before_w, c]; the walk over (c, a, b) carries instead of dividing.
 template <typename Word, typename Store>
 __global__ void regroup_blocks(const Word* __restrict__ in, Word* __restrict__ out, RegroupShape s, int32_t units) {
   constexpr int kWords = sizeof(Store) / sizeof(Word);
@@ -51,8 +50,8 @@ __global__ void regroup_blocks(const Word* __restrict__ in, Word* __restrict__ o
     o -= c * per_channel;
     int32_t a = o / s.block_w;
     int32_t b = o - a * s.block_w;
-    const int64_t h0 = static_cast<int64_t>(hb) * s.step_h - s.before_h;
-    const int64_t w0 = static_cast<int64_t>(wb) * s.step_w - s.before_w;
+    const int64_t h0 = static_cast<int64_t>(hb) * s.block_h - s.before_h;
+    const int64_t w0 = static_cast<int64_t>(wb) * s.block_w - s.before_w;
     union {
       Word words[kWords];
       Store store;
@@ -87,7 +86,7 @@ void launch(const at::Tensor& x, at::Tensor& out, const RegroupShape& shape) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// AlexNet's 48 channels, VGG's 27 patch channels padded to 32: 16-byte stores; RGB in 16-bit at stride 2 (12
+// AlexNet's 48 channels: 16-byte stores; RGB in 16-bit at stride 2 (12
 // channels, 24-byte rows): 8-byte ones.
 template <typename Word>
 void launch_for_rows(const at::Tensor& x, at::Tensor& out, const RegroupShape& shape) {
@@ -110,7 +109,7 @@ bool regroups_on_gpu(const at::Tensor& x) {
 }
 
 at::Tensor regroup_input_on_gpu(const at::Tensor& x, const SpaceToDepth& g) {
-  TORCH_INTERNAL_ASSERT(regroups_on_gpu(x));
+  TORCH_INTERNAL_ASSERT(regroups_on_gpu(x) && !g.patches);
   const c10::cuda::CUDAGuard device_guard(x.device());
   // Packed channels_last: element (n, h, w, c) at ((n * H + h) * W + w) * C + c (a copy only for other layouts).
   const at::Tensor in = x.contiguous(at::MemoryFormat::ChannelsLast);
@@ -129,8 +128,6 @@ at::Tensor regroup_input_on_gpu(const at::Tensor& x, const SpaceToDepth& g) {
         static_cast<int32_t>(g.input_blocks[1]),
         static_cast<int32_t>(g.before[0]),
         static_cast<int32_t>(g.before[1]),
-        static_cast<int32_t>(g.patches ? 1 : g.block[0]),
-        static_cast<int32_t>(g.patches ? 1 : g.block[1]),
         static_cast<int32_t>(row)};
     if (in.element_size() == 2) {
       launch_for_rows<uint16_t>(in, out, shape);
