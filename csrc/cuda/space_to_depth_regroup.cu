@@ -5,6 +5,7 @@
 // patches, which overlap, have a kernel of their own (unfold_patches.cu).
 #include "cuda/space_to_depth.h"
 #include "cuda/grid_stride.h"
+#include "cuda/regroup_geometry.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -17,33 +18,22 @@
 namespace convbias::cuda {
 namespace {
 
-// The sizes a thread needs to place its words. Output positions are 32-bit (space_to_depth_of keeps the regrouped input
-// within INT32_MAX elements); input offsets are 64-bit.
-struct RegroupShape {
-  int64_t height, width; // the input's
-  int32_t channels; // the input's, C
-  int32_t block_h, block_w; // pixels per block
-  int32_t blocks_h, blocks_w; // the output's spatial size
-  int32_t before_h, before_w; // the padding before the input, per dimension
-  int32_t row; // the output's channels: C * block_h * block_w
-};
-
 // One thread per Store (16, 8, 4 or 2 bytes: the widest that divides the output's rows, so that a thread's words
 // lie in one output pixel's row and its store is aligned) of consecutive words of the output. Word is the element's
 // raw bits (zero bits are +0.0 in every floating type). The word's channel (c, a, b) = c * bh * bw + a * bw + b reads
 // x[n, hb * block_h + a - before_h, wb * block_w + b - before_w, c]; the walk over (c, a, b) carries instead of dividing.
 template <typename Word, typename Store>
-__global__ void regroup_blocks(const Word* __restrict__ in, Word* __restrict__ out, RegroupShape s, int32_t units) {
+__global__ void regroup_blocks(const Word* __restrict__ in, Word* __restrict__ out, RegroupGeometry s, int32_t units) {
   constexpr int kWords = sizeof(Store) / sizeof(Word);
   // 64-bit steps: the last stride may pass INT32_MAX.
   for (int64_t unit = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; unit < units;
        unit += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int32_t first = static_cast<int32_t>(unit * kWords);
     const int32_t pixel = first / s.row;
-    const int32_t wb = pixel % s.blocks_w;
-    const int32_t rest = pixel / s.blocks_w;
-    const int32_t hb = rest % s.blocks_h;
-    const int64_t n = rest / s.blocks_h;
+    const int32_t wb = pixel % s.out_w;
+    const int32_t rest = pixel / s.out_w;
+    const int32_t hb = rest % s.out_h;
+    const int64_t n = rest / s.out_h;
     const int32_t per_channel = s.block_h * s.block_w;
     int32_t o = first - pixel * s.row;
     int32_t c = o / per_channel;
@@ -74,7 +64,7 @@ __global__ void regroup_blocks(const Word* __restrict__ in, Word* __restrict__ o
 }
 
 template <typename Word, typename Store>
-void launch(const at::Tensor& x, at::Tensor& out, const RegroupShape& shape) {
+void launch(const at::Tensor& x, at::Tensor& out, const RegroupGeometry& shape) {
   static_assert(sizeof(Store) % sizeof(Word) == 0);
   const int64_t units = out.numel() / static_cast<int64_t>(sizeof(Store) / sizeof(Word));
   TORCH_INTERNAL_ASSERT(units <= std::numeric_limits<int32_t>::max());
@@ -89,7 +79,7 @@ void launch(const at::Tensor& x, at::Tensor& out, const RegroupShape& shape) {
 // AlexNet's 48 channels: 16-byte stores; RGB in 16-bit at stride 2 (12
 // channels, 24-byte rows): 8-byte ones.
 template <typename Word>
-void launch_for_rows(const at::Tensor& x, at::Tensor& out, const RegroupShape& shape) {
+void launch_for_rows(const at::Tensor& x, at::Tensor& out, const RegroupGeometry& shape) {
   const int64_t row_bytes = shape.row * static_cast<int64_t>(sizeof(Word));
   if (row_bytes % 16 == 0) {
     launch<Word, uint4>(x, out, shape);
@@ -111,28 +101,12 @@ bool regroups_on_gpu(const at::Tensor& x) {
 at::Tensor regroup_input_on_gpu(const at::Tensor& x, const SpaceToDepth& g) {
   TORCH_INTERNAL_ASSERT(regroups_on_gpu(x) && !g.patches);
   const c10::cuda::CUDAGuard device_guard(x.device());
-  // Packed channels_last: element (n, h, w, c) at ((n * H + h) * W + w) * C + c (a copy only for other layouts).
-  const at::Tensor in = x.contiguous(at::MemoryFormat::ChannelsLast);
-  const int64_t n = in.size(0), c = in.size(1);
-  const int64_t row = g.channels(c);
-  at::Tensor out = at::empty({n, g.input_blocks[0], g.input_blocks[1], row}, in.options());
+  auto [in, out, geometry] = regroup_buffers(x, g);
   if (out.numel() > 0) {
-    TORCH_INTERNAL_ASSERT(out.numel() <= std::numeric_limits<int32_t>::max());
-    const RegroupShape shape{
-        in.size(2),
-        in.size(3),
-        static_cast<int32_t>(c),
-        static_cast<int32_t>(g.block[0]),
-        static_cast<int32_t>(g.block[1]),
-        static_cast<int32_t>(g.input_blocks[0]),
-        static_cast<int32_t>(g.input_blocks[1]),
-        static_cast<int32_t>(g.before[0]),
-        static_cast<int32_t>(g.before[1]),
-        static_cast<int32_t>(row)};
     if (in.element_size() == 2) {
-      launch_for_rows<uint16_t>(in, out, shape);
+      launch_for_rows<uint16_t>(in, out, geometry);
     } else {
-      launch_for_rows<uint32_t>(in, out, shape);
+      launch_for_rows<uint32_t>(in, out, geometry);
     }
   }
   return out.permute({0, 3, 1, 2});

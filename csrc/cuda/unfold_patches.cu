@@ -7,15 +7,14 @@
 // input element loaded R times, not R * S), then writes the tile's patches, one contiguous run, in 16-byte stores.
 #include "cuda/space_to_depth.h"
 #include "cuda/grid_stride.h"
+#include "cuda/regroup_geometry.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <limits>
 
 namespace convbias::cuda {
 namespace {
@@ -25,14 +24,10 @@ constexpr int kThreads = 256;
 // space_to_depth_of takes at most 64 unfolded channels (C * R * S), rounded up to 16-byte rows: still 64.
 constexpr int kMaxRow = 64;
 
-struct PatchShape {
-  int64_t height, width; // the input's
-  int32_t channels; // C
-  int32_t kernel_h, kernel_w; // R, S
-  int32_t out_h, out_w; // P, Q: the patches' spatial size (the convolution's output)
-  int32_t before_h, before_w; // the convolution's padding before the input
+// The geometry (regroup_geometry.h; block_h x block_w: the kernel, R x S; out_h x out_w: the convolution's output, P x Q)
+// and what the tiles add.
+struct PatchShape : RegroupGeometry {
   int32_t taps; // C * R * S
-  int32_t row; // the patches' channels: taps rounded up to 16-byte rows
   int32_t tiles_w; // tiles per output row: ceil(Q / kTile)
   int32_t stage_cols; // input columns a full tile reads: kTile + S - 1
 };
@@ -45,9 +40,9 @@ __global__ void unfold_patches(const Word* __restrict__ in, Word* __restrict__ o
   int32_t* const source = reinterpret_cast<int32_t*>(shared);
   Word* const stage = reinterpret_cast<Word*>(shared + kMaxRow * sizeof(int32_t));
   constexpr int kWords = sizeof(uint4) / sizeof(Word);
-  const int32_t per_channel = s.kernel_h * s.kernel_w;
+  const int32_t per_channel = s.block_h * s.block_w;
   for (int32_t k = threadIdx.x; k < s.row; k += blockDim.x) {
-    const int32_t c = k / per_channel, r = k / s.kernel_w % s.kernel_h, t = k % s.kernel_w;
+    const int32_t c = k / per_channel, r = k / s.block_w % s.block_h, t = k % s.block_w;
     source[k] = k < s.taps ? (r * s.stage_cols + t) * s.channels + c : -1;
   }
   const int32_t stage_row = s.stage_cols * s.channels; // words of one staged input row
@@ -59,11 +54,11 @@ __global__ void unfold_patches(const Word* __restrict__ in, Word* __restrict__ o
     const int32_t pixels = min(kTile, s.out_w - q0);
     // The staged columns w0 .. w0 + pixels + S - 2; those inside the input are words [lo, hi) of a staged row.
     const int64_t w0 = static_cast<int64_t>(q0) - s.before_w;
-    const int32_t cols = pixels + s.kernel_w - 1;
+    const int32_t cols = pixels + s.block_w - 1;
     const int32_t lo = static_cast<int32_t>(w0 < 0 ? -w0 : 0) * s.channels;
     const int32_t hi = static_cast<int32_t>(cols < s.width - w0 ? cols : s.width - w0) * s.channels;
     __syncthreads(); // the previous tile's reads of the stage (and, the first time, the source table) are done
-    for (int32_t r = 0; r < s.kernel_h; ++r) {
+    for (int32_t r = 0; r < s.block_h; ++r) {
       const int64_t h = static_cast<int64_t>(p) + r - s.before_h;
       const bool row_inside = h >= 0 && h < s.height;
       const int64_t row = ((n * s.height + h) * s.width + w0) * s.channels; // read only at lo <= e < hi
@@ -96,7 +91,7 @@ template <typename Word>
 void launch(const at::Tensor& in, at::Tensor& out, const PatchShape& shape) {
   const int64_t tiles = static_cast<int64_t>(out.size(0)) * shape.out_h * shape.tiles_w;
   const size_t shared_bytes =
-      kMaxRow * sizeof(int32_t) + static_cast<size_t>(shape.kernel_h) * shape.stage_cols * shape.channels * sizeof(Word);
+      kMaxRow * sizeof(int32_t) + static_cast<size_t>(shape.block_h) * shape.stage_cols * shape.channels * sizeof(Word);
   TORCH_INTERNAL_ASSERT(shared_bytes <= 48 * 1024, "unfold_patches: a stage of ", shared_bytes, " bytes");
   const int64_t blocks = grid_stride_blocks(tiles * kThreads, kThreads);
   unfold_patches<Word><<<blocks, kThreads, shared_bytes, at::cuda::getCurrentCUDAStream()>>>(
@@ -109,27 +104,14 @@ void launch(const at::Tensor& in, at::Tensor& out, const PatchShape& shape) {
 at::Tensor unfold_patches_on_gpu(const at::Tensor& x, const SpaceToDepth& g) {
   TORCH_INTERNAL_ASSERT(regroups_on_gpu(x) && g.patches);
   const c10::cuda::CUDAGuard device_guard(x.device());
-  // Packed channels_last: element (n, h, w, c) at ((n * H + h) * W + w) * C + c (a copy only for other layouts).
-  const at::Tensor in = x.contiguous(at::MemoryFormat::ChannelsLast);
-  const int64_t n = in.size(0), c = in.size(1);
-  at::Tensor out = at::empty({n, g.input_blocks[0], g.input_blocks[1], g.patch_channels}, in.options());
-  TORCH_INTERNAL_ASSERT(g.patch_channels <= kMaxRow && g.patch_channels * in.element_size() % 16 == 0);
+  auto [in, out, geometry] = regroup_buffers(x, g);
+  TORCH_INTERNAL_ASSERT(geometry.row <= kMaxRow && geometry.row * in.element_size() % 16 == 0);
   if (out.numel() > 0) {
-    TORCH_INTERNAL_ASSERT(out.numel() <= std::numeric_limits<int32_t>::max());
     const PatchShape shape{
-        in.size(2),
-        in.size(3),
-        static_cast<int32_t>(c),
-        static_cast<int32_t>(g.block[0]),
-        static_cast<int32_t>(g.block[1]),
-        static_cast<int32_t>(g.input_blocks[0]),
-        static_cast<int32_t>(g.input_blocks[1]),
-        static_cast<int32_t>(g.before[0]),
-        static_cast<int32_t>(g.before[1]),
+        geometry,
         static_cast<int32_t>(g.patch_taps),
-        static_cast<int32_t>(g.patch_channels),
-        static_cast<int32_t>((g.input_blocks[1] + kTile - 1) / kTile),
-        static_cast<int32_t>(kTile + g.block[1] - 1)};
+        (geometry.out_w + kTile - 1) / kTile,
+        kTile + geometry.block_w - 1};
     if (in.element_size() == 2) {
       launch<uint16_t>(in, out, shape);
     } else {
