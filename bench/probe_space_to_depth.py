@@ -25,7 +25,7 @@ ours_s2d_conv      ``convbias.forward`` on the regrouped tensors alone (what a o
 aten_s2d_conv      ``F.relu(F.conv2d(...))`` on the regrouped tensors (whether ATen's cuDNN call gains as well)
 regroup            the input's regrouping alone, as ``ours_s2d`` makes it (ATen's pad and permuted copy)
 regroup_op         the input's regrouping by the op's own way (``convbias::_space_to_depth``: its one-pass kernel
-                   on the GPU; the weight's regrouping, a few KB, included)
+                   on the GPU, for patches the shared-memory unfolding; the weight's regrouping, a few KB, included)
 ours_wgrad         ``convbias.param_grad`` of the stem as it is (a stem's input needs no gradient)
 ours_s2d_wgrad     ``convbias.param_grad`` of the regrouped problem (forward saved the regrouped input) and the
                    weight gradient regrouped back (``weight_grad_from_space_to_depth``)

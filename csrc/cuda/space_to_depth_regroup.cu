@@ -76,8 +76,7 @@ void launch(const at::Tensor& x, at::Tensor& out, const RegroupGeometry& shape) 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// AlexNet's 48 channels: 16-byte stores; RGB in 16-bit at stride 2 (12
-// channels, 24-byte rows): 8-byte ones.
+// AlexNet's 48 channels: 16-byte stores; RGB in 16-bit at stride 2 (12 channels, 24-byte rows): 8-byte ones.
 template <typename Word>
 void launch_for_rows(const at::Tensor& x, at::Tensor& out, const RegroupGeometry& shape) {
   const int64_t row_bytes = shape.row * static_cast<int64_t>(sizeof(Word));
