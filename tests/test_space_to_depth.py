@@ -94,6 +94,7 @@ PATCHES = [
     (3, (8, 8), (1, 2), (0, 1)),
     (3, (5, 261), (3, 3), (1, 1)),
     (1, (66, 4), (64, 1), (0, 0)),
+    (4, (20, 130), (16, 1), (3, 0)),  # the unfolding's largest stage: 4 + 15 input rows of 128 pixels, 4 channels
 ]
 
 
