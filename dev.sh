@@ -176,7 +176,7 @@ run_benches() {
 }
 
 # `./dev.sh gpu DIR jobs`: the JOBS list, in order, each run only if it fits in what is left of BUDGET seconds
-# (counted from this script's start, the build included), each bounded by its own seconds; logs and results under
+# (counted from this script's start, the build included; a job skipped fails the run's status), each bounded by its own seconds; logs and results under
 # DIR/jobs/, returned as one DIR/jobs.tgz (the device tool returns few files). Specs, separated by spaces:
 #   models:MODEL:PHASE:MODE:SECONDS[:bwd]  one row of bench.bench_models (bwd: also the activation-backward variant)
 #   tests:STEM:K:SECONDS                   tests/test_STEM.py -k K ('+' for a space; empty K: not cpu, i.e. its
@@ -204,6 +204,7 @@ run_jobs() {
     left=$((budget - SECONDS))
     if [ "$seconds" -gt "$left" ]; then
       echo "skipped $spec (needs ${seconds}s, ${left}s left)" | tee -a "$out/jobs/summary.txt"
+      status=1 # a job that did not run leaves the run unfinished: `jobs A && jobs B` must not go on to B
       continue
     fi
     dir="$out/jobs/$(printf %02d $index)-$(echo "$rest" | tr ':+ /' '___-')"

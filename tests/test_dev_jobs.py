@@ -1,7 +1,7 @@
 """dev.sh's job runner (``./dev.sh gpu DIR jobs``; ``./dev.sh jobs DIR`` runs it without the build in front of it),
 here on the CPU: jobs run in order under their own time bounds, an `env:` job exports a knob for the jobs after it, a bad
 spec fails its job (and the run's status) without stopping the others, a job that no longer fits the budget is
-skipped, and everything comes back in DIR/jobs.tgz with a summary."""
+skipped (and fails the run's status), and everything comes back in DIR/jobs.tgz with a summary."""
 
 from __future__ import annotations
 
@@ -51,6 +51,16 @@ def test_bad_specs_fail_their_job_and_the_run_but_not_the_others(tmp_path: Path)
     assert unknown.startswith("rc=2") and "unknown job kind 'nonsense'" in unknown, summary
     assert fine.startswith("rc=0"), summary
     assert too_long.startswith("skipped module:tests._env_probe:HOME:999 (needs 999s"), summary
+
+
+def test_a_skipped_job_fails_the_run(tmp_path: Path) -> None:
+    """A run whose job did not fit its budget did not do what it was asked: `jobs A && jobs B` stops there (a device
+    call once went on to benchmarks after its tests were skipped)."""
+    status, summary, logs = run_jobs("module:tests._env_probe:HOME:30 module:tests._env_probe:HOME:999", tmp_path)
+    ran, skipped = summary.splitlines()
+    assert ran.startswith("rc=0") and skipped.startswith("skipped module:tests._env_probe:HOME:999"), summary
+    assert status != 0, summary
+    assert len(logs) == 1, logs
 
 
 def test_streams_run_side_by_side_each_with_its_own_environment(tmp_path: Path) -> None:
