@@ -176,8 +176,9 @@ run_benches() {
 }
 
 # `./dev.sh gpu DIR jobs`: the JOBS list, in order, each run only if it fits in what is left of BUDGET seconds
-# (counted from this script's start, the build included; a job skipped fails the run's status), each bounded by its own seconds; logs and results under
-# DIR/jobs/, returned as one DIR/jobs.tgz (the device tool returns few files). Specs, separated by spaces:
+# (counted from this script's start, the build included; a job skipped fails the run's status), each bounded by its own
+# seconds; logs and results under DIR/jobs/, returned as one DIR/jobs.tgz (the device tool returns few files). Specs,
+# separated by spaces:
 #   models:MODEL:PHASE:MODE:SECONDS[:bwd]  one row of bench.bench_models (bwd: also the activation-backward variant)
 #   tests:STEM:K:SECONDS                   tests/test_STEM.py -k K ('+' for a space; empty K: not cpu, i.e. its
 #                                          CUDA tests and those without a device parameter)
