@@ -94,3 +94,37 @@ def test_probe_rows_record_failures_and_stop_at_the_budget(tmp_path: Path) -> No
         report=lambda name, row: None, summarize=lambda rows: {},
     ) is None
     assert spent == {"rows": []}
+
+
+def test_probe_runs_the_forward_alone_with_each_layers_ending(tmp_path: Path) -> None:
+    """--phase infer: only the output is checked (no gradients), and the tiny model's second layer ends with a residual
+    add + ReLU on both sides (ENDINGS), recorded in its row."""
+    assert probe.main(["--device", "cpu", "--tiny", "--phase", "infer", "--modes", "fp32", "--warmup", "0", "--calls",
+                       "1", "--repeats", "1", "--out", str(tmp_path)]) == 0  # fmt: skip
+    (path,) = tmp_path.glob("layers-tiny-infer-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [row["ending"] for row in rows] == ["relu", "residual_relu"]
+    for row in rows:
+        assert "error" not in row, row.get("error")
+        assert row["phase"] == "infer" and row["numerics_passed"] is True
+        assert set(row["numerics"]) == {"nn_output", "ours_output"}
+
+
+def test_resnet50_table_chains_its_blocks() -> None:
+    """ResNet-50's distinct convolutions: each stage's first block (1x1 reduce, 3x3, 1x1 expand with the residual
+    ending, downsample with none), then its later blocks' 1x1 reduce over the expanded width and (but in the first
+    stage, where it is the first block's) their 3x3."""
+    layers = probe.MODELS["resnet50"]
+    assert len(layers) == 24 and layers[0] == (3, 224, 64, 7, 2, 3)
+    c, side = 64, 56  # after the stem and its max-pool
+    for stage, first in enumerate((1, 6, 12, 18)):
+        width, stride = 64 * 2**stage, 1 if stage == 0 else 2
+        out = side // stride
+        assert layers[first : first + 5] == [(c, side, width, 1, 1, 0), (width, side, width, 3, stride, 1),
+                                             (width, out, 4 * width, 1, 1, 0), (c, side, 4 * width, 1, stride, 0),
+                                             (4 * width, out, width, 1, 1, 0)]  # fmt: skip
+        if stage > 0:
+            assert layers[first + 5] == (width, out, width, 3, 1, 1)
+        assert probe.ENDINGS["resnet50"][first + 2] == "residual_relu" and probe.ENDINGS["resnet50"][first + 3] == "identity"
+        c, side = 4 * width, out
+    assert len(probe.ENDINGS["resnet50"]) == 8
