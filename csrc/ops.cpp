@@ -103,6 +103,9 @@ TORCH_LIBRARY(convbias, m) {
   // Test hook: the next `count` timed comparisons of a forward graph against ATen's convolution (cudnn.benchmark)
   // choose ATen's as if it had measured faster; 0 clears it.
   m.def("_inject_aten_preferences(int count) -> ()", &convbias::inject_aten_preferences);
+  // Test hook: the next `count` such comparisons where a 1x1 float32 forward fits one matrix multiply choose that way;
+  // 0 clears it.
+  m.def("_inject_matmul_preferences(int count) -> ()", &convbias::inject_matmul_preferences);
   // Test hook: the next `count` tries of the padded-channels way (TORCH_CONVBIAS_PAD_CHANNELS) fail before they run, as
   // out of memory for the copies (out_of_memory) or as another error would; the problem runs as it is. 0 clears it.
   m.def(

@@ -58,7 +58,10 @@ def explain(
     ``TORCH_CONVBIAS_SPACE_TO_DEPTH``: ``blocks``, the regrouped ``channels`` and ``kernel``, and the regrouped
     problem's ``padded_channels``; or, ``patches`` true, a stride-1 stem run as a 1x1 convolution over its input
     unfolded into ``blocks``-sized patches, ``channels`` = C * R * S zero-padded to 16-byte rows; null when it ran its
-    own way), ``converted_input``, ``output``,
+    own way), ``matmul`` (true when the ATen path runs a channels_last float32 1x1 stride-1 convolution as one cuBLAS
+    matrix multiply, the bias and a ReLU in its epilogue: measured faster than the graph and ATen's convolution under
+    ``cudnn.benchmark``; never for strict fp32 while cuBLAS may use TF32, nor under deterministic algorithms) with
+    ``matmul_ms`` (-1 when not measured), ``converted_input``, ``output``,
     ``alignment``, ``math`` (the flags that select engines), ``graph_ops`` (the cuDNN graph's operations in order,
     e.g. ``["CONV_FPROP", "ADD", "RELU_FWD"]``; empty on the ATen path), ``activation`` (``name``; ``fused``: true when
     the activation is the graph's last node, its epilogue, false when ATen's pointwise kernel runs it after the graph

@@ -42,7 +42,7 @@ at::Tensor forward_routed(
   }
   const cuda::PreparedForward& prepared = *route.prepared;
   if (route.plan->path == cuda::FpropPath::Aten) {
-    return cuda::run_aten(prepared.problem, input, weight, bias); // as it was measured
+    return cuda::run_aten(prepared.problem, input, weight, bias, route.plan->aten_matmul); // as it was measured
   }
   // In the layout F.conv2d returns: the problem's own (channels_last, or NCHW even via channels_last copies). The
   // activation is in the graph's epilogue or applied by run_fprop after it, as the plan says.

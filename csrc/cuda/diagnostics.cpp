@@ -162,7 +162,11 @@ Json activation_json(
     return j;
   }
   const std::string kept = keeps ? ", out of place over the pre-activation (both kept)" : "";
-  if (plan != nullptr && plan->path == cuda::FpropPath::Aten && has_bias && !keeps) {
+  if (plan != nullptr && plan->path == cuda::FpropPath::Aten && plan->aten_matmul) {
+    j["how"] = has_bias && spec.kind == Activation::Relu ? "in cuBLAS's epilogue: matmul -> bias add -> relu"
+                                                         : std::string(cuda::activation_pass_name(dtype)) + " over the matmul's output";
+    j["why"] = plan->activation_why.empty() ? "one matrix multiply measured fastest (see notes)" : plan->activation_why;
+  } else if (plan != nullptr && plan->path == cuda::FpropPath::Aten && has_bias && !keeps) {
     j["how"] = "one pass adding the bias and applying the activation over ATen's convolution's output"; // run_aten
     j["why"] = plan->activation_why.empty() ? "ATen's convolution measured fastest (see notes)" : plan->activation_why;
   } else if (plan == nullptr || plan->path == cuda::FpropPath::Aten) {
@@ -384,6 +388,9 @@ std::string explain_cuda(
       {"unfused_ms", number(plan->unfused_ms)},
       {"graph_ms", number(plan->graph_ms)},
       {"aten_ms", number(plan->aten_ms)},
+      // The ATen path as one matrix multiply (fprop.h: matmul_fits), and that way's time where it was measured.
+      {"matmul", plan->path == cuda::FpropPath::Aten && plan->aten_matmul},
+      {"matmul_ms", number(plan->matmul_ms)},
       {"alignment", {{"input", a[0]}, {"weight", a[1]}, {"bias", a[2]}, {"output", a[3]}}},
       {"graph_ops", plan->graph_ops},
       // The tensors the graph writes: "output", and "preactivation" when the epilogue graph keeps it.
@@ -487,6 +494,10 @@ void inject_epilogue_rejections(int64_t count) {
 
 void inject_aten_preferences(int64_t count) {
   cuda::inject_aten_preferences(count);
+}
+
+void inject_matmul_preferences(int64_t count) {
+  cuda::inject_matmul_preferences(count);
 }
 
 void inject_padded_way_failures(int64_t count, bool out_of_memory) {

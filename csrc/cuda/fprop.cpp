@@ -189,6 +189,33 @@ std::string layout_hint(const FpropProblem& p) {
 }
 
 TestHookCountdown injected_aten_preferences; // inject_aten_preferences
+TestHookCountdown injected_matmul_preferences; // inject_matmul_preferences
+
+// Whether torch's flags let the matmul way run a problem that fits it now: the convolution's TF32 setting must allow
+// whatever cuBLAS's allows (a strict-fp32 convolution never runs as a TF32 GEMM), and deterministic algorithms rule it
+// out (cuBLAS is deterministic only under CUBLAS_WORKSPACE_CONFIG; ATen's matmul raises without it). Read at each call:
+// cuBLAS's flag is not part of the plan's key.
+bool matmul_allowed_now(const FpropProblem& p) {
+  return !p.flags.deterministic && (p.flags.allow_tf32 || !at::globalContext().allowTF32CuBLAS());
+}
+
+// act(x . w^T + b) over the tensors viewed as matrices (matmul_fits), the output a channels_last view of the product.
+at::Tensor run_matmul(
+    const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  const int64_t n = x.size(0), c = x.size(1), h = x.size(2), width = x.size(3), k = w.size(0);
+  // Views where x is channels_last and packed (reshape copies otherwise: the original arguments reach run_aten).
+  const at::Tensor rows = x.permute({0, 2, 3, 1}).reshape({n * h * width, c});
+  const at::Tensor weight = w.reshape({k, c}).t();
+  const bool relu_epilogue = p.has_bias && p.activation.kind == Activation::Relu;
+  const at::Tensor product = relu_epilogue ? at::_addmm_activation(*b, rows, weight)
+      : p.has_bias                         ? at::addmm(*b, rows, weight)
+                                           : at::mm(rows, weight);
+  at::Tensor y = product.view({n, h, width, k}).permute({0, 3, 1, 2});
+  if (!relu_epilogue) {
+    activation_after_graph_(y, p.activation); // none for identity
+  }
+  return y;
+}
 
 } // namespace
 
@@ -196,10 +223,26 @@ void inject_aten_preferences(int64_t count) {
   injected_aten_preferences.arm(count);
 }
 
+void inject_matmul_preferences(int64_t count) {
+  injected_matmul_preferences.arm(count);
+}
+
+bool matmul_fits(const FpropProblem& p) {
+  const ConvParams& c = p.params;
+  return p.matmul_way && p.channels_last && p.dtype == at::kFloat && !p.has_residual && !p.keep_preactivation &&
+      c.groups == 1 &&
+      p.w_dims[2] == 1 && p.w_dims[3] == 1 && c.stride[0] == 1 && c.stride[1] == 1 && c.padding[0] == 0 &&
+      c.padding[1] == 0;
+}
+
 // act(conv + bias) by ATen's convolution (fprop.h says which passes follow it; out of place, z kept, when the problem
 // keeps the pre-activation).
 at::Tensor run_aten(
-    const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+    const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+    bool as_matmul) {
+  if (as_matmul && matmul_fits(p) && matmul_allowed_now(p)) {
+    return run_matmul(p, x, w, b);
+  }
   const ConvParams& c = p.params;
   if (p.keep_preactivation) {
     return std::get<0>(
@@ -500,21 +543,35 @@ std::shared_ptr<FpropPlan> build_graph_path(
     // eager or compiled: Inductor runs ATen's convolution and one such pass) for the key.
     const float graph_ms = time_on_stream([&] { (void)run_plan(*plan, p, x, w, b); });
     const float aten_ms = time_on_stream([&] { (void)run_aten(p, x, w, b); });
+    // A 1x1 float32 convolution is also measured as one matrix multiply (matmul_fits).
+    const bool matmul_ok = matmul_fits(p) && matmul_allowed_now(p);
+    const float matmul_ms = matmul_ok ? time_on_stream([&] { (void)run_aten(p, x, w, b, /*as_matmul=*/true); }) : -1;
     plan->aten_ms = aten_ms;
     plan->graph_ms = graph_ms;
-    const bool injected = injected_aten_preferences.take();
-    if (aten_ms < graph_ms || injected) {
+    plan->matmul_ms = matmul_ms;
+    const bool injected_matmul = matmul_ok && injected_matmul_preferences.take();
+    const bool injected = !injected_matmul && injected_aten_preferences.take();
+    const bool matmul = injected_matmul || (matmul_ok && matmul_ms < std::min(graph_ms, aten_ms));
+    if (matmul || aten_ms < graph_ms || injected) {
       plan->path = FpropPath::Aten;
+      plan->aten_matmul = matmul;
       plan->graph.reset();
       plan->activation_fused = false;
       plan->preactivation_output = false;
       // What run_aten ran, named once for the note and the activation's reason.
-      const char* aten_route = p.activation.is_identity() ? "ATen's convolution + bias add"
-          : p.has_bias && !p.keep_preactivation           ? "ATen's convolution + one bias and activation pass"
-                                                          : "ATen's convolution, bias add and activation";
-      const std::string measured = std::string(aten_route) + " measured faster than the cuDNN graph";
+      const char* aten_route = matmul
+          ? (p.has_bias && p.activation.kind == Activation::Relu ? "one matrix multiply with the bias and ReLU in its epilogue"
+                 : p.has_bias                                    ? "one matrix multiply with the bias in its epilogue"
+                                                                 : "one matrix multiply")
+          : p.activation.is_identity()          ? "ATen's convolution + bias add"
+          : p.has_bias && !p.keep_preactivation ? "ATen's convolution + one bias and activation pass"
+                                                : "ATen's convolution, bias add and activation";
+      const std::string measured = std::string(aten_route) + " measured faster than the cuDNN graph" +
+          (matmul ? " and ATen's convolution" : "");
       plan->notes.push_back(
-          injected ? "ATen's convolution taken by the test hook (convbias::_inject_aten_preferences)" : measured);
+          injected_matmul ? "one matrix multiply taken by the test hook (convbias::_inject_matmul_preferences)"
+              : injected  ? "ATen's convolution taken by the test hook (convbias::_inject_aten_preferences)"
+                          : measured);
       if (!p.activation.is_identity()) {
         plan->activation_why = measured;
       }
@@ -641,7 +698,7 @@ std::shared_ptr<const FpropPlan> consider_padded_channels(
         own, padded, note,
         [&] {
           return time_on_stream([&] {
-            (void)(own->path == FpropPath::Aten ? run_aten(p, x, w, b) : run_plan(*own, p, x, w, b).first);
+            (void)(own->path == FpropPath::Aten ? run_aten(p, x, w, b, own->aten_matmul) : run_plan(*own, p, x, w, b).first);
           });
         },
         [&] {
@@ -695,7 +752,7 @@ std::shared_ptr<const FpropPlan> consider_space_to_depth(
     auto timings = own->layout_timings;
     if (timings.empty()) {
       timings.emplace_back("as_is", time_on_stream([&] {
-        (void)(own->path == FpropPath::Aten ? run_aten(p, x, w, b) : run_plan(*own, p, x, w, b).first);
+        (void)(own->path == FpropPath::Aten ? run_aten(p, x, w, b, own->aten_matmul) : run_plan(*own, p, x, w, b).first);
       }));
     }
     const float own_ms = std::min_element(timings.begin(), timings.end(), [](const auto& l, const auto& r) {
@@ -787,7 +844,7 @@ std::shared_ptr<FpropPlan> build_residual_plan(
   const auto own = fprop_plan(q, x, w, b);
   fused->epilogue_ms = time_on_stream([&] { (void)run_fprop_residual(*fused, p, x, w, b, r); });
   fused->separate_activation_ms = time_on_stream([&] {
-    at::Tensor out = own->path == FpropPath::Aten ? run_aten(q, x, w, b) : run_plan(*own, q, x, w, b).first;
+    at::Tensor out = own->path == FpropPath::Aten ? run_aten(q, x, w, b, own->aten_matmul) : run_plan(*own, q, x, w, b).first;
     add_activation_(out, r, p.activation);
   });
   std::ostringstream timings;
@@ -835,6 +892,8 @@ std::optional<plan_store::Json> plan_record(const FpropPlan& plan) {
       {"unfused_ms", plan.unfused_ms},
       {"graph_ms", plan.graph_ms},
       {"aten_ms", plan.aten_ms},
+      {"aten_matmul", plan.aten_matmul},
+      {"matmul_ms", plan.matmul_ms},
       {"notes", plan.notes},
       {"layout_timings", plan_store::timings_json(plan.layout_timings)},
       {"activation_fused", plan.activation_fused},
@@ -876,6 +935,11 @@ std::shared_ptr<const FpropPlan> plan_from_record(
   if (residual_fused != (p.has_residual && *found != FpropPath::Aten)) {
     return nullptr;
   }
+  // The matmul way: the ATen path of a problem it fits (records from before it have no such field).
+  const bool aten_matmul = r.value("aten_matmul", false);
+  if (aten_matmul && (*found != FpropPath::Aten || !matmul_fits(p))) {
+    return nullptr;
+  }
   std::shared_ptr<FpropPlan> plan;
   if (r.at("via_channels_last").get<bool>()) {
     if (p.channels_last) {
@@ -911,6 +975,7 @@ std::shared_ptr<const FpropPlan> plan_from_record(
   } else {
     plan = std::make_shared<FpropPlan>();
     plan->path = *found;
+    plan->aten_matmul = aten_matmul;
     plan->activation_fused = activation_fused;
     plan->preactivation_output = preactivation_output;
     plan->residual_fused = residual_fused;
@@ -932,6 +997,7 @@ std::shared_ptr<const FpropPlan> plan_from_record(
   plan->unfused_ms = r.at("unfused_ms").get<float>();
   plan->graph_ms = r.at("graph_ms").get<float>();
   plan->aten_ms = r.at("aten_ms").get<float>();
+  plan->matmul_ms = r.value("matmul_ms", -1.0f);
   plan->notes = r.at("notes").get<std::vector<std::string>>();
   plan->notes.push_back("loaded from the persistent plan cache");
   plan->layout_timings = plan_store::timings_from(r.at("layout_timings"));
@@ -1014,6 +1080,7 @@ FpropProblem FpropProblem::as_channels_last() const {
   FpropProblem p = *this;
   p.channels_last = true;
   p.alignments = {16, 16, alignments[2], 16};
+  p.matmul_way = false;
   return p;
 }
 
@@ -1031,6 +1098,7 @@ FpropProblem FpropProblem::with_padded_channels() const {
   p.w_dims[1] = channels;
   p.alignments[0] = 16;
   p.alignments[1] = 16;
+  p.matmul_way = false;
   return p;
 }
 
@@ -1042,7 +1110,9 @@ std::optional<SpaceToDepth> FpropProblem::space_to_depth() const {
 FpropProblem FpropProblem::with_space_to_depth() const {
   const auto g = space_to_depth();
   TORCH_INTERNAL_ASSERT(g);
-  return regrouped_problem(*this, *g, 0, 1);
+  FpropProblem p = regrouped_problem(*this, *g, 0, 1);
+  p.matmul_way = false;
+  return p;
 }
 
 PlanCaches<FpropPlan>& fprop_cache() {

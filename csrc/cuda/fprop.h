@@ -47,6 +47,10 @@ struct FpropProblem {
   // Never with keep_preactivation.
   bool has_residual = false;
   int64_t residual_alignment = 16;
+  // Whether the matmul way (matmul_fits) may run the problem: not for the copies the other ways run (channels_last,
+  // padded, regrouped), whose plans must be graphs to be taken. Not part of the key: a direct call of the same key
+  // may cache either kind of plan first, and a way whose problem's plan is ATen's is not taken.
+  bool matmul_way = true;
 
   PlanKey key() const;
   std::string describe() const; // shapes, layout, dtype, parameters and activation, for messages
@@ -74,6 +78,10 @@ struct FpropPlan {
   float unfused_ms = -1;
   float graph_ms = -1; // channels_last under cudnn.benchmark: the chosen graph path ...
   float aten_ms = -1; // ... and ATen's convolution + bias add, measured; the faster one is kept
+  // The ATen path as one matrix multiply (cuBLAS over the channels_last tensors: matmul_fits) rather than ATen's
+  // convolution: measured faster than both under cudnn.benchmark (matmul_ms), or taken by the test hook.
+  bool aten_matmul = false;
+  float matmul_ms = -1;
   std::vector<std::string> notes; // why this path: what was rejected and why
   std::vector<std::string> graph_ops; // the graph's operations (graph_operations), e.g. CONV_FPROP, ADD, RELU_FWD
 
@@ -143,12 +151,26 @@ at::Tensor run_fprop_residual(
 // Test hook (convbias::_inject_aten_preferences): the next `count` timed comparisons against ATen's convolution
 // choose it as if it had measured faster. 0 clears it.
 void inject_aten_preferences(int64_t count);
+// Test hook (convbias::_inject_matmul_preferences): likewise, the next `count` timed comparisons where the matmul way
+// applies (matmul_fits and the flags allow it) choose it. 0 clears it.
+void inject_matmul_preferences(int64_t count);
+
+// Whether the problem is a matrix multiply as its tensors lie: a channels_last float32 convolution with a 1x1 kernel,
+// stride 1, no padding and one group, without a residual or a kept pre-activation, not a way's copy (matmul_way). x viewed as [N*H*W, C] times the
+// weight viewed as [K, C] transposed is the output viewed as [N*H*W, K], channels_last already: no transposes, where
+// cuDNN's strict-fp32 engines for these shapes convert to NCHW and back (ResNet-50's 1x1 layers). float32 only:
+// cuBLAS's 16-bit GEMMs may reduce in reduced precision (torch.backends.cuda.matmul), cuDNN's convolution does not.
+bool matmul_fits(const FpropProblem& problem);
 
 // The ATen path of a plan (FpropPath::Aten: measured faster than any graph) on the original arguments, in the layout
 // F.conv2d returns: ATen's convolution; with a bias and an activation (the pre-activation not kept), then one pass of
 // ours adding the bias and applying it (bias_activation_), else ATen's bias add and activation (the reference).
+// `as_matmul` (FpropPlan::aten_matmul): one cuBLAS matrix multiply instead (at::addmm, the bias and a ReLU in its
+// epilogue, another activation a pass after it) where matmul_fits and torch's flags allow it at this call (strict
+// float32 convolutions with TF32 matmuls allowed, or deterministic algorithms asked for, run ATen's convolution).
 at::Tensor run_aten(
-    const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
+    const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+    bool as_matmul = false);
 
 // act(conv(x, w) + b) by `plan` on the current stream, in the problem's layout (the activation in the graph or
 // applied after it). Into `out` where the graph can write it (of the problem's shape and layout, fully packed and
