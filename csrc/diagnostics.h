@@ -36,8 +36,8 @@ void inject_epilogue_rejections(int64_t count);
 // had measured faster (0 clears it).
 void inject_aten_preferences(int64_t count);
 
-// Test hook: the next `count` timed comparisons where a 1x1 float32 forward fits one matrix multiply take that way as if
-// it had measured fastest (0 clears it).
+// Test hook: the next `count` timed comparisons where a 1x1 float32 forward fits one matrix multiply take that way as
+// if it had measured fastest (0 clears it).
 void inject_matmul_preferences(int64_t count);
 
 // Test hook: the next `count` tries of the padded-channels way fail before they run, as out of memory for the copies

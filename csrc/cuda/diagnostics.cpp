@@ -163,8 +163,9 @@ Json activation_json(
   }
   const std::string kept = keeps ? ", out of place over the pre-activation (both kept)" : "";
   if (plan != nullptr && plan->path == cuda::FpropPath::Aten && plan->aten_matmul) {
-    j["how"] = has_bias && spec.kind == Activation::Relu ? "in cuBLAS's epilogue: matmul -> bias add -> relu"
-                                                         : std::string(cuda::activation_pass_name(dtype)) + " over the matmul's output";
+    j["how"] = has_bias && spec.kind == Activation::Relu
+        ? "in cuBLAS's epilogue: matmul -> bias add -> relu"
+        : std::string(cuda::activation_pass_name(dtype)) + " over the matmul's output";
     j["why"] = plan->activation_why.empty() ? "one matrix multiply measured fastest (see notes)" : plan->activation_why;
   } else if (plan != nullptr && plan->path == cuda::FpropPath::Aten && has_bias && !keeps) {
     j["how"] = "one pass adding the bias and applying the activation over ATen's convolution's output"; // run_aten

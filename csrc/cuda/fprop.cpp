@@ -326,6 +326,14 @@ std::pair<at::Tensor, at::Tensor> run_plan(
   return {y, at::Tensor()};
 }
 
+// act(conv + bias) by a problem's own plan as it was measured: its ATen path (ATen's convolution or the matmul way) or
+// its graph. What the other ways (padded, regrouped, the residual's separate add) are measured against.
+at::Tensor run_own_way(
+    const FpropPlan& own, const FpropProblem& p, const at::Tensor& x, const at::Tensor& w,
+    const std::optional<at::Tensor>& b) {
+  return own.path == FpropPath::Aten ? run_aten(p, x, w, b, own.aten_matmul) : run_plan(own, p, x, w, b).first;
+}
+
 // Fills `plan` with the graph path that leaves the activation to ATen: the fused conv+bias graph, the conv graph +
 // bias add, or ATen when neither builds. Throws when a path forced by TORCH_CONVBIAS_PATH does not build
 // (channels_last problems only: an NCHW problem still has the channels_last copies to fall back on).
@@ -559,10 +567,11 @@ std::shared_ptr<FpropPlan> build_graph_path(
       plan->activation_fused = false;
       plan->preactivation_output = false;
       // What run_aten ran, named once for the note and the activation's reason.
+      const bool relu_epilogue = p.has_bias && p.activation.kind == Activation::Relu;
       const char* aten_route = matmul
-          ? (p.has_bias && p.activation.kind == Activation::Relu ? "one matrix multiply with the bias and ReLU in its epilogue"
-                 : p.has_bias                                    ? "one matrix multiply with the bias in its epilogue"
-                                                                 : "one matrix multiply")
+          ? (relu_epilogue ? "one matrix multiply with the bias and ReLU in its epilogue"
+                 : p.has_bias ? "one matrix multiply with the bias in its epilogue"
+                              : "one matrix multiply")
           : p.activation.is_identity()          ? "ATen's convolution + bias add"
           : p.has_bias && !p.keep_preactivation ? "ATen's convolution + one bias and activation pass"
                                                 : "ATen's convolution, bias add and activation";
@@ -698,7 +707,7 @@ std::shared_ptr<const FpropPlan> consider_padded_channels(
         own, padded, note,
         [&] {
           return time_on_stream([&] {
-            (void)(own->path == FpropPath::Aten ? run_aten(p, x, w, b, own->aten_matmul) : run_plan(*own, p, x, w, b).first);
+            (void)run_own_way(*own, p, x, w, b);
           });
         },
         [&] {
@@ -752,7 +761,7 @@ std::shared_ptr<const FpropPlan> consider_space_to_depth(
     auto timings = own->layout_timings;
     if (timings.empty()) {
       timings.emplace_back("as_is", time_on_stream([&] {
-        (void)(own->path == FpropPath::Aten ? run_aten(p, x, w, b, own->aten_matmul) : run_plan(*own, p, x, w, b).first);
+        (void)run_own_way(*own, p, x, w, b);
       }));
     }
     const float own_ms = std::min_element(timings.begin(), timings.end(), [](const auto& l, const auto& r) {
@@ -844,7 +853,7 @@ std::shared_ptr<FpropPlan> build_residual_plan(
   const auto own = fprop_plan(q, x, w, b);
   fused->epilogue_ms = time_on_stream([&] { (void)run_fprop_residual(*fused, p, x, w, b, r); });
   fused->separate_activation_ms = time_on_stream([&] {
-    at::Tensor out = own->path == FpropPath::Aten ? run_aten(q, x, w, b, own->aten_matmul) : run_plan(*own, q, x, w, b).first;
+    at::Tensor out = run_own_way(*own, q, x, w, b);
     add_activation_(out, r, p.activation);
   });
   std::ostringstream timings;

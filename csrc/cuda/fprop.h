@@ -156,10 +156,11 @@ void inject_aten_preferences(int64_t count);
 void inject_matmul_preferences(int64_t count);
 
 // Whether the problem is a matrix multiply as its tensors lie: a channels_last float32 convolution with a 1x1 kernel,
-// stride 1, no padding and one group, without a residual or a kept pre-activation, not a way's copy (matmul_way). x viewed as [N*H*W, C] times the
-// weight viewed as [K, C] transposed is the output viewed as [N*H*W, K], channels_last already: no transposes, where
-// cuDNN's strict-fp32 engines for these shapes convert to NCHW and back (ResNet-50's 1x1 layers). float32 only:
-// cuBLAS's 16-bit GEMMs may reduce in reduced precision (torch.backends.cuda.matmul), cuDNN's convolution does not.
+// stride 1, no padding and one group, without a residual or a kept pre-activation, not a way's copy (matmul_way).
+// x viewed as [N*H*W, C] times the weight viewed as [K, C] transposed is the output viewed as [N*H*W, K],
+// channels_last already: no transposes, where cuDNN's strict-fp32 engines for these shapes convert to NCHW and back
+// (ResNet-50's 1x1 layers). float32 only: cuBLAS's 16-bit GEMMs may reduce in reduced precision
+// (torch.backends.cuda.matmul), cuDNN's convolution does not.
 bool matmul_fits(const FpropProblem& problem);
 
 // The ATen path of a plan (FpropPath::Aten: measured faster than any graph) on the original arguments, in the layout
