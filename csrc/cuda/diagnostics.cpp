@@ -163,7 +163,7 @@ Json activation_json(
   }
   const std::string kept = keeps ? ", out of place over the pre-activation (both kept)" : "";
   if (plan != nullptr && plan->path == cuda::FpropPath::Aten && plan->aten_matmul) {
-    j["how"] = has_bias && spec.kind == Activation::Relu
+    j["how"] = cuda::matmul_relu_epilogue(has_bias, spec)
         ? "in cuBLAS's epilogue: matmul -> bias add -> relu"
         : std::string(cuda::activation_pass_name(dtype)) + " over the matmul's output";
     j["why"] = plan->activation_why.empty() ? "one matrix multiply measured fastest (see notes)" : plan->activation_why;

@@ -206,7 +206,7 @@ at::Tensor run_matmul(
   // Views where x is channels_last and packed (reshape copies otherwise: the original arguments reach run_aten).
   const at::Tensor rows = x.permute({0, 2, 3, 1}).reshape({n * h * width, c});
   const at::Tensor weight = w.reshape({k, c}).t();
-  const bool relu_epilogue = p.has_bias && p.activation.kind == Activation::Relu;
+  const bool relu_epilogue = matmul_relu_epilogue(p.has_bias, p.activation);
   const at::Tensor product = relu_epilogue ? at::_addmm_activation(*b, rows, weight)
       : p.has_bias                         ? at::addmm(*b, rows, weight)
                                            : at::mm(rows, weight);
@@ -225,6 +225,10 @@ void inject_aten_preferences(int64_t count) {
 
 void inject_matmul_preferences(int64_t count) {
   injected_matmul_preferences.arm(count);
+}
+
+bool matmul_relu_epilogue(bool has_bias, const ActivationSpec& activation) {
+  return has_bias && activation.kind == Activation::Relu;
 }
 
 bool matmul_fits(const FpropProblem& p) {
@@ -567,7 +571,7 @@ std::shared_ptr<FpropPlan> build_graph_path(
       plan->activation_fused = false;
       plan->preactivation_output = false;
       // What run_aten ran, named once for the note and the activation's reason.
-      const bool relu_epilogue = p.has_bias && p.activation.kind == Activation::Relu;
+      const bool relu_epilogue = matmul_relu_epilogue(p.has_bias, p.activation);
       const char* aten_route = matmul
           ? (relu_epilogue ? "one matrix multiply with the bias and ReLU in its epilogue"
                  : p.has_bias ? "one matrix multiply with the bias in its epilogue"

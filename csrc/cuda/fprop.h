@@ -162,6 +162,9 @@ void inject_matmul_preferences(int64_t count);
 // (ResNet-50's 1x1 layers). float32 only: cuBLAS's 16-bit GEMMs may reduce in reduced precision
 // (torch.backends.cuda.matmul), cuDNN's convolution does not.
 bool matmul_fits(const FpropProblem& problem);
+// Whether the matmul way applies the activation in cuBLAS's epilogue (a ReLU after a bias: at::_addmm_activation)
+// rather than in a pass after the product. One answer for running it, its notes and explain().
+bool matmul_relu_epilogue(bool has_bias, const ActivationSpec& activation);
 
 // The ATen path of a plan (FpropPath::Aten: measured faster than any graph) on the original arguments, in the layout
 // F.conv2d returns: ATen's convolution; with a bias and an activation (the pre-activation not kept), then one pass of
