@@ -162,6 +162,7 @@ def test_explain_on_the_cpu_says_aten() -> None:
     x, w, b, r = problem("cpu", torch.float32, torch.channels_last, seed=10)
     info = torch_convbias.explain(x, w, b, padding=1, activation="relu", residual=r)
     assert info["path"] == "aten" and info["residual"]["fused"] is False, info
+    assert info["residual"]["bias_in_pass"] is False, info
     with pytest.raises(ValueError, match="for_backward"):
         torch_convbias.explain(x, w, b, padding=1, residual=r, for_backward=True)
 
@@ -305,6 +306,53 @@ def test_cuda_nchw_and_unfused_knob_take_forwards_route() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     for row, info in json.loads(result.stdout.strip().splitlines()[-1]).items():
         assert info["residual"]["fused"] is False and "TORCH_CONVBIAS_PATH=unfused" in info["residual"]["why"], info
+
+
+@cuda
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize(
+    "dtype, name, residual_layout",
+    [(torch.float32, "relu", torch.channels_last), (torch.bfloat16, "gelu", torch.contiguous_format)],
+    ids=["fp32-relu", "bf16-gelu-nchw_residual"],
+)
+def test_cuda_aten_route_adds_bias_and_residual_in_one_pass(
+    dtype: torch.dtype, name: str, residual_layout: torch.memory_format, bias: bool
+) -> None:
+    """Where the residual's graph is not taken and forward's own route is ATen's convolution (cudnn.benchmark; the test
+    hooks refuse the residual's graph and make ATen's convolution measure faster), the convolution runs without its
+    bias and one pass adds the bias and the residual and applies the activation: one kernel of ours after the
+    convolution, no ATen add. Right against the float64 oracle; explain says so (bias_in_pass)."""
+    mode = MODES["float32"] if dtype == torch.float32 else MODES["bfloat16"]
+    hw = 25 + 2 * (dtype == torch.bfloat16) + bias  # a plan key of its own
+    x, w, b, r = cuda_problem(dtype, hw, seed=30 + hw, bias=bias)
+    r = r.contiguous(memory_format=residual_layout)
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        with math_mode(mode):
+            torch.ops.convbias._inject_epilogue_rejections(1)  # the residual's graph, built first
+            torch.ops.convbias._inject_aten_preferences(1)  # then forward's own plan for conv + bias
+            conv_bias2d(x, w, b, padding=1, activation=name, residual=r)  # builds both plans
+            torch.ops.convbias._inject_epilogue_rejections(0)
+            torch.ops.convbias._inject_aten_preferences(0)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                out = conv_bias2d(x, w, b, padding=1, activation=name, residual=r)
+                torch.cuda.synchronize()
+            info = torch_convbias.explain(x, w, b, padding=1, activation=name, residual=r)  # the cached plans
+    finally:
+        torch.ops.convbias._inject_epilogue_rejections(0)
+        torch.ops.convbias._inject_aten_preferences(0)
+        torch.backends.cudnn.benchmark = saved
+    residual = info["residual"]
+    assert info["path"] == "aten" and residual["fused"] is False and "test hook" in residual["why"], info
+    assert residual["bias_in_pass"] is bias, info
+    check_consistent(info, name, bias)
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ours = [k for k in kernels if "AddTwoActivation" in k or "AddActivation" in k]
+    assert len(ours) == 1 and ("AddTwoActivation" in ours[0]) is bias, kernels
+    assert not any("CUDAFunctor_add" in k or "add_kernel" in k for k in kernels), kernels
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    close(out, oracle(x, w, b, r, name), mode)
 
 
 @cuda

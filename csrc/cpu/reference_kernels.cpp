@@ -228,7 +228,11 @@ std::string explain_residual_cpu(
                                   .second;
   return Json{
       {"path", "aten"},
-      {"residual", {{"fused", false}, {"how", "ATen: added to the convolution's output"}, {"why", "CPU tensors: no cuDNN graph"}}},
+      {"residual",
+       {{"fused", false},
+        {"bias_in_pass", false},
+        {"how", "ATen: added to the convolution's output"},
+        {"why", "CPU tensors: no cuDNN graph"}}},
       {"activation",
        {{"name", activation_name(spec.kind)},
         {"fused", false},

@@ -1,5 +1,5 @@
 // bias_activation.h: one TensorIterator pass (ATen's gpu_kernel: every layout, vectorised where it can, the launch
-// configuration PyTorch's own pointwise kernels use) over y and the addend (the bias broadcast along K, or a residual).
+// configuration PyTorch's own pointwise kernels use) over y and the addends (the bias broadcast along K, a residual).
 #include "cuda/bias_activation.h"
 
 #include <ATen/Dispatch.h>
@@ -16,6 +16,13 @@
 namespace convbias::cuda {
 namespace {
 
+// act(sum) rounded to T, for the sums of the passes below. 16-bit results: the cheaper math of activation_math.cuh
+// (these passes are arithmetic-bound for gelu / silu there).
+template <typename T, Activation kKind>
+__device__ T activate_sum(at::opmath_type<T> sum, at::opmath_type<T> negative_slope) {
+  return static_cast<T>(activation_forward<at::opmath_type<T>, kFastMath<T>>(kKind, sum, negative_slope));
+}
+
 // One kernel per activation (kKind a template argument: with_activation_kind).
 template <typename T, Activation kKind>
 struct AddActivation {
@@ -23,9 +30,19 @@ struct AddActivation {
   Acc negative_slope;
 
   __device__ T operator()(T value, T addend) const {
-    // 16-bit results: the cheaper math of activation_math.cuh (this pass is arithmetic-bound for gelu / silu there).
-    return static_cast<T>(activation_forward<Acc, kFastMath<T>>(
-        kKind, static_cast<Acc>(value) + static_cast<Acc>(addend), negative_slope));
+    return activate_sum<T, kKind>(static_cast<Acc>(value) + static_cast<Acc>(addend), negative_slope);
+  }
+};
+
+// AddActivation with two addends (a bias and a residual).
+template <typename T, Activation kKind>
+struct AddTwoActivation {
+  using Acc = at::opmath_type<T>;
+  Acc negative_slope;
+
+  __device__ T operator()(T value, T bias, T residual) const {
+    return activate_sum<T, kKind>(
+        static_cast<Acc>(value) + static_cast<Acc>(bias) + static_cast<Acc>(residual), negative_slope);
   }
 };
 
@@ -92,6 +109,32 @@ at::Tensor& bias_activation_(at::Tensor& y, const at::Tensor& bias, const Activa
   TORCH_INTERNAL_ASSERT(y.dim() == 4 && bias.dim() == 1 && bias.size(0) == y.size(1));
   const at::Tensor bias_view = bias.view({1, -1, 1, 1}); // broadcast along N, H, W
   return add_activation_(y, bias_view, activation);
+}
+
+at::Tensor& bias_residual_activation_(
+    at::Tensor& y, const at::Tensor& bias, const at::Tensor& residual, const ActivationSpec& activation) {
+  TORCH_INTERNAL_ASSERT(
+      y.is_cuda() && y.dim() == 4 && bias.dim() == 1 && bias.size(0) == y.size(1) && residual.sizes() == y.sizes());
+  TORCH_INTERNAL_ASSERT(bias.scalar_type() == y.scalar_type() && residual.scalar_type() == y.scalar_type());
+  if (y.numel() == 0) {
+    return y;
+  }
+  const c10::cuda::CUDAGuard device_guard(y.device());
+  const at::Tensor bias_view = bias.view({1, -1, 1, 1}); // broadcast along N, H, W
+  at::TensorIterator iter = at::TensorIteratorConfig()
+                                .add_output(y)
+                                .add_const_input(y)
+                                .add_const_input(bias_view)
+                                .add_const_input(residual)
+                                .build();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "convbias_bias_residual_activation", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    with_activation_kind(activation.kind, [&](auto kind) {
+      constexpr Activation kKind = decltype(kind)::value;
+      at::native::gpu_kernel(iter, AddTwoActivation<scalar_t, kKind>{static_cast<Acc>(activation.negative_slope)});
+    });
+  });
+  return y;
 }
 
 at::Tensor& activation_after_graph_(at::Tensor& y, const ActivationSpec& activation) {

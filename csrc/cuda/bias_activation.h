@@ -18,6 +18,12 @@ at::Tensor& add_activation_(at::Tensor& y, const at::Tensor& addend, const Activ
 // add_activation_ of the bias [K] of a [N, K, H, W] output, broadcast along N, H and W.
 at::Tensor& bias_activation_(at::Tensor& y, const at::Tensor& bias, const ActivationSpec& activation);
 
+// y = act(y + bias + residual) in place, in one pass: the bias [K] broadcast along N, H and W, the residual of y's
+// shape in any layout; add_activation_'s math (summed in the opmath type, rounded once). The pass after ATen's
+// convolution run without its bias in a residual block ending (run_aten_then_residual).
+at::Tensor& bias_residual_activation_(
+    at::Tensor& y, const at::Tensor& bias, const at::Tensor& residual, const ActivationSpec& activation);
+
 // The activation pass after a cuDNN graph that did not apply it (the fused conv+bias graph, or one writing only the
 // pre-activation z). float16 / bfloat16: a pass of ours with add_activation_'s math (the cheaper float math of
 // activation_math.cuh, within one ulp: ATen's erff-based 16-bit GELU pass is arithmetic-bound on the H200); float and

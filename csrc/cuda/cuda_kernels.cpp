@@ -86,7 +86,8 @@ at::Tensor forward_cuda(
 }
 
 // act(conv + bias + residual): the residual's graph where its plan has one (channels_last), else forward's route for
-// conv + bias, then one pass adding the residual and applying the activation.
+// conv + bias, then one pass adding the residual and applying the activation (and adding the bias, where forward's
+// route is ATen's convolution: it then runs without it).
 at::Tensor forward_residual_cuda(
     const at::Tensor& input,
     const at::Tensor& weight,
@@ -105,6 +106,9 @@ at::Tensor forward_residual_cuda(
   if (route.plan && route.plan->residual_fused) {
     const cuda::PreparedForward& p = *route.prepared;
     return cuda::run_fprop_residual(*route.plan, p.problem, p.x, p.w, p.b, route.r);
+  }
+  if (const auto own = cuda::route_with_bias_in_residual_pass(input, weight, bias, params)) {
+    return cuda::run_aten_then_residual(own->prepared->problem, input, weight, *bias, residual, spec);
   }
   at::Tensor out = forward_cuda(input, weight, bias, stride, padding, dilation, groups, "identity", 0.01);
   return cuda::add_activation_(out, residual, spec);

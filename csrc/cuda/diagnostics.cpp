@@ -409,7 +409,8 @@ std::string explain_cuda(
 }
 
 // forward_residual's path: the residual's graph (the `residual` entry fused), or forward's route for conv + bias
-// (explained as explain_cuda does, identity) followed by one pass adding the residual and applying the activation.
+// (explained as explain_cuda does, identity) followed by one pass adding the residual (and the bias: bias_in_pass)
+// and applying the activation.
 std::string explain_residual_cuda(
     const at::Tensor& input,
     const at::Tensor& weight,
@@ -445,6 +446,7 @@ std::string explain_residual_cuda(
         {"graph_outputs", Json::array({"output"})},
         {"residual",
          {{"fused", true},
+          {"bias_in_pass", false},
           {"how", how},
           {"why", plan->notes.empty() ? "" : plan->notes.back()},
           {"graph_ms", number(plan->epilogue_ms)},
@@ -466,10 +468,13 @@ std::string explain_residual_cuda(
     out["plan_build_seconds"] = route.build_seconds;
     why = plan->notes.empty() ? "" : plan->notes.back();
   }
-  const std::string pass = "one pass after forward's route: the residual added" +
-      std::string(spec.is_identity() ? "" : ", then the activation");
+  const bool bias_in_pass = cuda::route_with_bias_in_residual_pass(input, weight, bias, params).has_value();
+  const std::string pass = std::string("one pass after forward's route: ") +
+      (bias_in_pass ? "the bias (ATen's convolution ran without it) and the residual added" : "the residual added") +
+      (spec.is_identity() ? "" : ", then the activation");
   out["residual"] = {
       {"fused", false},
+      {"bias_in_pass", bias_in_pass},
       {"how", pass},
       {"why", why},
       {"graph_ms", number(plan ? plan->epilogue_ms : -1.0f)},

@@ -261,6 +261,20 @@ at::Tensor run_aten(
   return forward_reference(x, w, b, c.stride, c.padding, c.dilation, c.groups, p.activation);
 }
 
+bool bias_joins_residual_pass(const FpropPlan& own, const FpropProblem& p) {
+  TORCH_INTERNAL_ASSERT(!p.has_residual && p.activation.is_identity());
+  const bool runs_matmul = own.aten_matmul && matmul_fits(p) && matmul_allowed_now(p); // as run_aten decides
+  return own.path == FpropPath::Aten && p.has_bias && !p.keep_preactivation && !runs_matmul;
+}
+
+at::Tensor run_aten_then_residual(
+    const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& r,
+    const ActivationSpec& activation) {
+  const ConvParams& c = p.params;
+  at::Tensor y = forward_reference(x, w, std::nullopt, c.stride, c.padding, c.dilation, c.groups, ActivationSpec{});
+  return bias_residual_activation_(y, b, r, activation);
+}
+
 namespace {
 
 // Whether the graph can write `out` as its output: defined, of the problem's shape, fully packed in its layout and
@@ -856,13 +870,19 @@ std::shared_ptr<FpropPlan> build_residual_plan(
   const FpropProblem q = without_residual(p);
   const auto own = fprop_plan(q, x, w, b);
   fused->epilogue_ms = time_on_stream([&] { (void)run_fprop_residual(*fused, p, x, w, b, r); });
+  const bool bias_in_pass = bias_joins_residual_pass(*own, q);
   fused->separate_activation_ms = time_on_stream([&] {
+    if (bias_in_pass) {
+      (void)run_aten_then_residual(q, x, w, *b, r, p.activation);
+      return;
+    }
     at::Tensor out = run_own_way(*own, q, x, w, b);
     add_activation_(out, r, p.activation);
   });
   std::ostringstream timings;
   timings << fused->epilogue_ms << " ms against " << fused->separate_activation_ms
-          << " ms for forward's route + one pass adding the residual and applying the activation";
+          << " ms for forward's route + one pass adding " << (bias_in_pass ? "the bias and " : "")
+          << "the residual and applying the activation";
   if (fused->epilogue_ms <= fused->separate_activation_ms) {
     fused->notes.push_back("the " + graph_name(form, p.activation) + " measured faster: " + timings.str());
     return fused;

@@ -176,6 +176,19 @@ at::Tensor run_aten(
     const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
     bool as_matmul = false);
 
+// Whether the pass after forward's own route for a residual block ending (forward_residual where the residual's graph
+// is not taken) adds the bias too: where that route (`own`, the plan of `problem`, conv + bias without the residual)
+// is ATen's convolution, not the matmul way (whose bias is in cuBLAS's epilogue). The convolution then runs without
+// its bias (run_aten_then_residual): two passes over the output, as Inductor runs nn.Conv2d's block ending, instead
+// of ATen's bias add making a third.
+bool bias_joins_residual_pass(const FpropPlan& own, const FpropProblem& problem);
+
+// act(conv(x, w) + b + r) where bias_joins_residual_pass: ATen's convolution of the original arguments without the
+// bias, then one pass adding the bias and the residual and applying the activation (bias_residual_activation_).
+at::Tensor run_aten_then_residual(
+    const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& r,
+    const ActivationSpec& activation);
+
 // act(conv(x, w) + b) by `plan` on the current stream, in the problem's layout (the activation in the graph or
 // applied after it). Into `out` where the graph can write it (of the problem's shape and layout, fully packed and
 // 16-byte aligned: a batch part's slice of the whole output, batch_parts.h), else into a new tensor: the caller
