@@ -60,6 +60,19 @@ bool is_16bit(at::ScalarType dtype) {
   return dtype == at::kHalf || dtype == at::kBFloat16;
 }
 
+// gpu_kernel over `iter` (its output y first, then y and the addends) with Op<scalar_t, kKind> for y's dtype and the
+// activation (the passes of add_activation_ and bias_residual_activation_).
+template <template <typename, Activation> class Op>
+void add_activation_pass(at::TensorIterator& iter, const at::Tensor& y, const ActivationSpec& activation) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "convbias_add_activation", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    with_activation_kind(activation.kind, [&](auto kind) {
+      constexpr Activation kKind = decltype(kind)::value;
+      at::native::gpu_kernel(iter, Op<scalar_t, kKind>{static_cast<Acc>(activation.negative_slope)});
+    });
+  });
+}
+
 } // namespace
 
 void activation_16bit(at::Tensor& out, const at::Tensor& in, const ActivationSpec& activation, bool fast) {
@@ -95,13 +108,7 @@ at::Tensor& add_activation_(at::Tensor& y, const at::Tensor& addend, const Activ
   }
   const c10::cuda::CUDAGuard device_guard(y.device());
   at::TensorIterator iter = at::TensorIterator::borrowing_binary_op(y, y, addend);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "convbias_add_activation", [&] {
-    using Acc = at::opmath_type<scalar_t>;
-    with_activation_kind(activation.kind, [&](auto kind) {
-      constexpr Activation kKind = decltype(kind)::value;
-      at::native::gpu_kernel(iter, AddActivation<scalar_t, kKind>{static_cast<Acc>(activation.negative_slope)});
-    });
-  });
+  add_activation_pass<AddActivation>(iter, y, activation);
   return y;
 }
 
@@ -127,13 +134,7 @@ at::Tensor& bias_residual_activation_(
                                 .add_const_input(bias_view)
                                 .add_const_input(residual)
                                 .build();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "convbias_bias_residual_activation", [&] {
-    using Acc = at::opmath_type<scalar_t>;
-    with_activation_kind(activation.kind, [&](auto kind) {
-      constexpr Activation kKind = decltype(kind)::value;
-      at::native::gpu_kernel(iter, AddTwoActivation<scalar_t, kKind>{static_cast<Acc>(activation.negative_slope)});
-    });
-  });
+  add_activation_pass<AddTwoActivation>(iter, y, activation);
   return y;
 }
 

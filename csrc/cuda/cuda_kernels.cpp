@@ -30,12 +30,12 @@
 namespace convbias {
 namespace {
 
-// forward's route for checked arguments; `out` as run_fprop takes it (the result is `out` only where the graph wrote
-// it).
-at::Tensor forward_routed(
-    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params,
-    const ActivationSpec& spec, const at::Tensor& out = at::Tensor()) {
-  const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params, spec);
+// `route` (route_forward of these checked arguments) run; `out` as run_fprop takes it (the result is `out` only where
+// the graph wrote it).
+at::Tensor run_forward_route(
+    const cuda::ForwardRoute& route, const at::Tensor& input, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, const ConvParams& params, const ActivationSpec& spec,
+    const at::Tensor& out = at::Tensor()) {
   if (route.aten_reason) {
     // nn.Conv2d's own route
     return forward_reference(input, weight, bias, params.stride, params.padding, params.dilation, params.groups, spec);
@@ -47,6 +47,14 @@ at::Tensor forward_routed(
   // In the layout F.conv2d returns: the problem's own (channels_last, or NCHW even via channels_last copies). The
   // activation is in the graph's epilogue or applied by run_fprop after it, as the plan says.
   return cuda::run_fprop(*route.plan, prepared.problem, prepared.x, prepared.w, prepared.b, out);
+}
+
+// forward's route for checked arguments.
+at::Tensor forward_routed(
+    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params,
+    const ActivationSpec& spec, const at::Tensor& out = at::Tensor()) {
+  const cuda::ForwardRoute route = cuda::route_forward(input, weight, bias, params, spec);
+  return run_forward_route(route, input, weight, bias, params, spec, out);
 }
 
 // A batch too large for one graph (batch_parts.h): each part routed as a call of its own, written into its slice of
@@ -107,10 +115,16 @@ at::Tensor forward_residual_cuda(
     const cuda::PreparedForward& p = *route.prepared;
     return cuda::run_fprop_residual(*route.plan, p.problem, p.x, p.w, p.b, route.r);
   }
-  if (const auto own = cuda::route_with_bias_in_residual_pass(input, weight, bias, params)) {
-    return cuda::run_aten_then_residual(own->prepared->problem, input, weight, *bias, residual, spec);
+  const ActivationSpec identity;
+  if (const auto part = cuda::batch_part_size(input, weight, cuda::output_numel(input, weight, params))) {
+    at::Tensor out = forward_in_batch_parts(*part, input, weight, bias, params, identity);
+    return cuda::add_activation_(out, residual, spec);
   }
-  at::Tensor out = forward_cuda(input, weight, bias, stride, padding, dilation, groups, "identity", 0.01);
+  const cuda::ForwardRoute own = cuda::route_forward(input, weight, bias, params, identity);
+  if (cuda::residual_pass_adds_bias(own)) {
+    return cuda::run_aten_then_residual(own.prepared->problem, input, weight, *bias, residual, spec);
+  }
+  at::Tensor out = run_forward_route(own, input, weight, bias, params, identity);
   return cuda::add_activation_(out, residual, spec);
 }
 

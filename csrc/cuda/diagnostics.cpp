@@ -468,7 +468,8 @@ std::string explain_residual_cuda(
     out["plan_build_seconds"] = route.build_seconds;
     why = plan->notes.empty() ? "" : plan->notes.back();
   }
-  const bool bias_in_pass = cuda::route_with_bias_in_residual_pass(input, weight, bias, params).has_value();
+  const bool bias_in_pass = !cuda::batch_part_size(input, weight, cuda::output_numel(input, weight, params)) &&
+      cuda::residual_pass_adds_bias(cuda::route_forward(input, weight, bias, params, ActivationSpec{}));
   const std::string pass = std::string("one pass after forward's route: ") +
       (bias_in_pass ? "the bias (ATen's convolution ran without it) and the residual added" : "the residual added") +
       (spec.is_identity() ? "" : ", then the activation");

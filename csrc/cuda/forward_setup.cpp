@@ -7,8 +7,6 @@
 #include <array>
 #include <limits>
 
-#include "cuda/batch_parts.h"
-
 namespace convbias::cuda {
 
 int64_t output_numel(const at::Tensor& input, const at::Tensor& weight, const ConvParams& params) {
@@ -79,16 +77,8 @@ ForwardRoute route_forward(
   return route;
 }
 
-std::optional<ForwardRoute> route_with_bias_in_residual_pass(
-    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params) {
-  if (!bias || batch_part_size(input, weight, output_numel(input, weight, params))) {
-    return std::nullopt;
-  }
-  ForwardRoute own = route_forward(input, weight, bias, params, ActivationSpec{});
-  if (own.aten_reason || !bias_joins_residual_pass(*own.plan, own.prepared->problem)) {
-    return std::nullopt;
-  }
-  return own;
+bool residual_pass_adds_bias(const ForwardRoute& own) {
+  return !own.aten_reason && bias_joins_residual_pass(*own.plan, own.prepared->problem);
 }
 
 ResidualRoute route_forward_residual(

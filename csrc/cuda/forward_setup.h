@@ -61,18 +61,16 @@ ForwardRoute route_forward(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params,
     const ActivationSpec& activation, bool keep_preactivation = false);
 
-// Forward's own route for conv + bias where forward_residual's pass after it adds the bias too
-// (bias_joins_residual_pass: the route is ATen's convolution, then run without the bias); nullopt where that pass adds
-// only the residual after forward's route as forward runs it (a batch run in parts included). One decision for the
-// call and explain().
-std::optional<ForwardRoute> route_with_bias_in_residual_pass(
-    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params);
+// Whether forward_residual's pass after `own` (forward's route for conv + bias alone, one call of the whole batch) adds
+// the bias too: bias_joins_residual_pass, the route being ATen's convolution, then run without the bias. One decision
+// for the call and explain().
+bool residual_pass_adds_bias(const ForwardRoute& own);
 
 // forward_residual's route. A call whose output is channels_last gets the residual plan (fprop_residual_plan) over
 // the prepared tensors and `r`, the residual packed channels_last (a copy when it was not); `why_not` says why the
 // residual cannot be in a graph otherwise (an ATen-only call, NCHW tensors). Where the plan is not residual_fused
-// the caller runs forward's route, then one pass adding the residual (and the bias: route_with_bias_in_residual_pass)
-// and applying the activation.
+// the caller runs forward's route, then one pass adding the residual (and the bias: residual_pass_adds_bias) and
+// applying the activation.
 struct ResidualRoute {
   std::optional<std::string> why_not;
   std::optional<PreparedForward> prepared;
