@@ -239,12 +239,22 @@ bool matmul_fits(const FpropProblem& p) {
       c.padding[1] == 0;
 }
 
+namespace {
+
+// Whether run_aten runs `p` as one matrix multiply: asked to (a plan's aten_matmul, or a timing of that way), and the
+// problem fits it and torch's flags allow it at this call. One answer for run_aten, its timing and the residual's pass.
+bool runs_as_matmul(const FpropProblem& p, bool as_matmul) {
+  return as_matmul && matmul_fits(p) && matmul_allowed_now(p);
+}
+
+} // namespace
+
 // act(conv + bias) by ATen's convolution (fprop.h says which passes follow it; out of place, z kept, when the problem
 // keeps the pre-activation).
 at::Tensor run_aten(
     const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
     bool as_matmul) {
-  if (as_matmul && matmul_fits(p) && matmul_allowed_now(p)) {
+  if (runs_as_matmul(p, as_matmul)) {
     return run_matmul(p, x, w, b);
   }
   const ConvParams& c = p.params;
@@ -263,8 +273,7 @@ at::Tensor run_aten(
 
 bool bias_joins_residual_pass(const FpropPlan& own, const FpropProblem& p) {
   TORCH_INTERNAL_ASSERT(!p.has_residual && p.activation.is_identity());
-  const bool runs_matmul = own.aten_matmul && matmul_fits(p) && matmul_allowed_now(p); // as run_aten decides
-  return own.path == FpropPath::Aten && p.has_bias && !p.keep_preactivation && !runs_matmul;
+  return own.path == FpropPath::Aten && p.has_bias && !p.keep_preactivation && !runs_as_matmul(p, own.aten_matmul);
 }
 
 at::Tensor run_aten_then_residual(
@@ -570,7 +579,7 @@ std::shared_ptr<FpropPlan> build_graph_path(
     const float graph_ms = time_on_stream([&] { (void)run_plan(*plan, p, x, w, b); });
     const float aten_ms = time_on_stream([&] { (void)run_aten(p, x, w, b); });
     // A 1x1 float32 convolution is also measured as one matrix multiply (matmul_fits).
-    const bool matmul_ok = matmul_fits(p) && matmul_allowed_now(p);
+    const bool matmul_ok = runs_as_matmul(p, true);
     const float matmul_ms = matmul_ok ? time_on_stream([&] { (void)run_aten(p, x, w, b, /*as_matmul=*/true); }) : -1;
     plan->aten_ms = aten_ms;
     plan->graph_ms = graph_ms;
