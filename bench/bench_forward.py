@@ -173,16 +173,18 @@ def make_problem(shape: Shape, mode: Mode, device: str, seed: int) -> Problem:
 # Measurement of one shape
 
 
-def explain(problem: Problem, activation: str = "identity") -> dict[str, Any] | None:
-    """torch_convbias.explain() for ours_cl (path, engine, workspace, with an activation where it runs, ...), None
-    where the API is absent."""
+def explain(
+    problem: Problem, activation: str = "identity", residual: torch.Tensor | None = None
+) -> dict[str, Any] | None:
+    """torch_convbias.explain() for ours_cl (path, engine, workspace, with an activation where it runs, with the
+    residual how it is added, ...), None where the API is absent."""
     fn = getattr(torch_convbias, "explain", None)
     if fn is None:
         return None
     try:
         result = fn(
             problem.x_cl, problem.w_cl, problem.bias, problem.stride, problem.padding, problem.dilation, 1,
-            activation=activation,
+            activation=activation, **({} if residual is None else {"residual": residual}),
         )
         return dict(result) if isinstance(result, dict) else {"value": result}
     except Exception as error:  # noqa: BLE001
@@ -425,8 +427,9 @@ def measure_activation(
             errors[name] = short_error(error)
     numerics = harness.check_all({n: check_against_float64(out, reference, mode) for n, out in outputs.items()})
     del outputs
-    # Which route ours took for the block (the activation in the graph's epilogue or a pass after it, and why).
-    route = explain(problem, activation) if not residual and "ours" not in errors else None
+    # Which route ours took for the block (the activation in the graph's epilogue or a pass after it, the residual in
+    # the graph or in that pass, with or without the bias, and why).
+    route = explain(problem, activation, added) if "ours" not in errors else None
     timings = harness.time_variants(variants, errors, warmup, iters, device, called=list(variants))
     rates = harness.time_throughput(variants, errors, device)
     graphed: dict[str, Callable[[], Any]] = {}

@@ -356,6 +356,47 @@ def test_cuda_aten_route_adds_bias_and_residual_in_one_pass(
 
 
 @cuda
+def test_cuda_residual_plan_measures_aten_without_the_bias_against_a_graph_route() -> None:
+    """Timed, where the residual's graph is not taken and forward's own route for conv + bias is a cuDNN graph, the
+    residual's plan also measures ATen's convolution without the bias + one pass adding the bias and the residual
+    (Inductor's block ending) and takes it where faster (the test hook makes it win here): the call then runs it (one
+    kernel of ours after the convolution, no ATen add), explain says so, and the result is right."""
+    mode = MODES["bfloat16"]
+    x, w, b, r = cuda_problem(torch.bfloat16, 31, seed=61)
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        with math_mode(mode):
+            conv_bias2d(x, w, b, padding=1)  # forward's own plan for conv + bias, timed, untouched by the hooks
+            own = torch_convbias.explain(x, w, b, padding=1)
+            torch.ops.convbias._inject_epilogue_rejections(1)  # the residual's graph
+            torch.ops.convbias._inject_aten_preferences(1)  # then the residual plan's measurement of the two passes
+            conv_bias2d(x, w, b, padding=1, activation="relu", residual=r)  # builds the residual's plan
+            torch.ops.convbias._inject_epilogue_rejections(0)
+            torch.ops.convbias._inject_aten_preferences(0)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                out = conv_bias2d(x, w, b, padding=1, activation="relu", residual=r)
+                torch.cuda.synchronize()
+            info = torch_convbias.explain(x, w, b, padding=1, activation="relu", residual=r)
+    finally:
+        torch.ops.convbias._inject_epilogue_rejections(0)
+        torch.ops.convbias._inject_aten_preferences(0)
+        torch.backends.cudnn.benchmark = saved
+    assert own["path"] != "aten", own  # what this test is about: forward's own route is a graph
+    residual = info["residual"]
+    assert info["path"] == "aten" and info["graph_ops"] == [] and "engine" not in info, info
+    assert residual["fused"] is False and residual["bias_in_pass"] is True, info
+    assert "taken by the test hook" in residual["why"] and "adding the bias and the residual" in residual["why"], info
+    check_consistent(info, "relu", True)
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ours = [k for k in kernels if "AddTwoActivation" in k or "AddActivation" in k]
+    assert len(ours) == 1 and "AddTwoActivation" in ours[0], kernels
+    assert not any("CUDAFunctor_add" in k or "add_kernel" in k for k in kernels), kernels
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    close(out, oracle(x, w, b, r, "relu"), mode)
+
+
+@cuda
 def test_cuda_graph_capture() -> None:
     mode = MODES["float32"]
     x, w, b, r = cuda_problem(torch.float32, 17, seed=4)

@@ -81,8 +81,10 @@ def explain(
 
     With ``residual`` it explains ``conv_bias2d(..., residual=residual)`` (``torch.ops.convbias.forward_residual``):
     the same keys, and ``residual`` (``fused``: the residual ADD is in the cuDNN graph, before the activation;
-    ``bias_in_pass``: not fused, forward's route is ATen's convolution, run without the bias, and one pass adds the
-    bias and the residual and applies the activation (two passes over the output, as Inductor's); ``how``; ``why``;
+    ``bias_in_pass``: not fused, ATen's convolution runs without the bias and one pass adds the bias and the residual
+    and applies the activation (two passes over the output, as Inductor's): where forward's route is ATen's
+    convolution, or, timed, where that measured faster than forward's route (a graph) + the pass; ``path`` is then
+    ``"aten"``; ``how``; ``why``;
     ``graph_ms`` / ``separate_ms``: the two routes, when timed). ``for_backward`` does not apply to it.
     """
     stride, dilation = _pair("stride", stride), _pair("dilation", dilation)

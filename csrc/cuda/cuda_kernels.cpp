@@ -121,8 +121,8 @@ at::Tensor forward_residual_cuda(
     return cuda::add_activation_(out, residual, spec);
   }
   const cuda::ForwardRoute own = cuda::route_forward(input, weight, bias, params, identity);
-  if (cuda::residual_pass_adds_bias(own)) {
-    return cuda::run_aten_then_residual(own.prepared->problem, input, weight, *bias, residual, spec);
+  if (cuda::residual_pass_adds_bias(route, own)) {
+    return cuda::run_aten_then_residual(params, input, weight, *bias, residual, spec);
   }
   at::Tensor out = run_forward_route(own, input, weight, bias, params, identity);
   return cuda::add_activation_(out, residual, spec);

@@ -469,7 +469,16 @@ std::string explain_residual_cuda(
     why = plan->notes.empty() ? "" : plan->notes.back();
   }
   const bool bias_in_pass = !cuda::batch_part_size(input, weight, cuda::output_numel(input, weight, params)) &&
-      cuda::residual_pass_adds_bias(cuda::route_forward(input, weight, bias, params, ActivationSpec{}));
+      cuda::residual_pass_adds_bias(route, cuda::route_forward(input, weight, bias, params, ActivationSpec{}));
+  if (bias_in_pass && out["path"] != "aten") {
+    // The residual's plan measured ATen's convolution without the bias faster than forward's own route.
+    out["path"] = "aten";
+    out["matmul"] = false;
+    out["graph_ops"] = Json::array();
+    out["graph_outputs"] = Json::array();
+    out.erase("engine");
+    out["notes"].push_back(why);
+  }
   const std::string pass = std::string("one pass after forward's route: ") +
       (bias_in_pass ? "the bias (ATen's convolution ran without it) and the residual added" : "the residual added") +
       (spec.is_identity() ? "" : ", then the activation");

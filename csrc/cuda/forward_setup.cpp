@@ -77,9 +77,6 @@ ForwardRoute route_forward(
   return route;
 }
 
-bool residual_pass_adds_bias(const ForwardRoute& own) {
-  return !own.aten_reason && bias_joins_residual_pass(*own.plan, own.prepared->problem);
-}
 
 ResidualRoute route_forward_residual(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -101,6 +98,13 @@ ResidualRoute route_forward_residual(
   p.problem.residual_alignment = pointer_alignment(route.r);
   route.plan = fprop_residual_plan(p.problem, p.x, p.w, p.b, route.r, &route.was_cached, &route.build_seconds);
   return route;
+}
+
+bool residual_pass_adds_bias(const ResidualRoute& route, const ForwardRoute& own) {
+  if (route.plan) {
+    return route.plan->residual_bias_in_pass;
+  }
+  return !own.aten_reason && bias_joins_residual_pass(*own.plan, own.prepared->problem);
 }
 
 } // namespace convbias::cuda

@@ -61,16 +61,11 @@ ForwardRoute route_forward(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const ConvParams& params,
     const ActivationSpec& activation, bool keep_preactivation = false);
 
-// Whether forward_residual's pass after `own` (forward's route for conv + bias alone, one call of the whole batch) adds
-// the bias too: bias_joins_residual_pass, the route being ATen's convolution, then run without the bias. One decision
-// for the call and explain().
-bool residual_pass_adds_bias(const ForwardRoute& own);
-
 // forward_residual's route. A call whose output is channels_last gets the residual plan (fprop_residual_plan) over
 // the prepared tensors and `r`, the residual packed channels_last (a copy when it was not); `why_not` says why the
 // residual cannot be in a graph otherwise (an ATen-only call, NCHW tensors). Where the plan is not residual_fused
-// the caller runs forward's route, then one pass adding the residual (and the bias: residual_pass_adds_bias) and
-// applying the activation.
+// the caller runs forward's route (or ATen's convolution without the bias: residual_pass_adds_bias), then one pass
+// adding the residual (and the bias) and applying the activation.
 struct ResidualRoute {
   std::optional<std::string> why_not;
   std::optional<PreparedForward> prepared;
@@ -79,6 +74,13 @@ struct ResidualRoute {
   bool was_cached = false;
   double build_seconds = 0;
 };
+
+// Whether forward_residual's pass (where the residual's graph does not run) adds the bias too, ATen's convolution then
+// running without it: the residual plan's choice where the call has one (FpropPlan::residual_bias_in_pass), else where
+// `own` (forward's route for conv + bias alone, one call of the whole batch) is ATen's convolution
+// (bias_joins_residual_pass). One decision for the call and explain().
+bool residual_pass_adds_bias(const ResidualRoute& route, const ForwardRoute& own);
+
 
 ResidualRoute route_forward_residual(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,

@@ -277,9 +277,8 @@ bool bias_joins_residual_pass(const FpropPlan& own, const FpropProblem& p) {
 }
 
 at::Tensor run_aten_then_residual(
-    const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& r,
+    const ConvParams& c, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& r,
     const ActivationSpec& activation) {
-  const ConvParams& c = p.params;
   at::Tensor y = forward_reference(x, w, std::nullopt, c.stride, c.padding, c.dilation, c.groups, ActivationSpec{});
   return bias_residual_activation_(y, b, r, activation);
 }
@@ -828,6 +827,48 @@ FpropProblem without_residual(const FpropProblem& p) {
   return q;
 }
 
+// How a residual problem runs where its graph does not: forward's own route for conv + bias, then one pass adding the
+// residual, or, with a bias, ATen's convolution without it, then one pass adding both (sets `plan`'s
+// residual_bias_in_pass). The latter where forward's own route is ATen's convolution anyway (bias_joins_residual_pass)
+// or, timed, where it measures faster than that route with its pass. Returns the chosen way's time (-1 untimed).
+float choose_residual_pass(
+    FpropPlan& plan, const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+    const at::Tensor& r, bool timed) {
+  const FpropProblem q = without_residual(p);
+  const auto own = fprop_plan(q, x, w, b);
+  plan.residual_bias_in_pass = bias_joins_residual_pass(*own, q);
+  if (!timed) {
+    return -1;
+  }
+  const float own_ms = time_on_stream([&] {
+    if (plan.residual_bias_in_pass) {
+      (void)run_aten_then_residual(q.params, x, w, *b, r, p.activation);
+      return;
+    }
+    at::Tensor out = run_own_way(*own, q, x, w, b);
+    add_activation_(out, r, p.activation);
+  });
+  if (plan.residual_bias_in_pass || !p.has_bias) {
+    return own_ms;
+  }
+  const float aten_ms = time_on_stream([&] { (void)run_aten_then_residual(q.params, x, w, *b, r, p.activation); });
+  const bool injected = injected_aten_preferences.take();
+  std::ostringstream timings;
+  timings << aten_ms << " ms against " << own_ms << " ms for forward's route (" << path_name(own->path)
+          << ") + one pass adding the residual";
+  if (!injected && aten_ms >= own_ms) {
+    plan.notes.push_back("forward's route + one pass adding the residual measured faster than ATen's convolution + "
+                         "one pass adding the bias and the residual: " + timings.str());
+    return own_ms;
+  }
+  plan.residual_bias_in_pass = true;
+  plan.notes.push_back(
+      injected ? "ATen's convolution + one pass adding the bias and the residual taken by the test hook "
+                 "(convbias::_inject_aten_preferences)"
+               : "ATen's convolution + one pass adding the bias and the residual measured faster: " + timings.str());
+  return aten_ms;
+}
+
 // A residual problem's plan (channels_last only): the graph conv -> [bias ADD] -> residual ADD -> [activation] where
 // it builds and runs (untimed: on a precompiled engine, as the activation's epilogue; timed: also measured against
 // forward's own route followed by one pass adding the residual and applying the activation, the faster kept), else
@@ -844,6 +885,7 @@ std::shared_ptr<FpropPlan> build_residual_plan(
     plan->notes.push_back(
         std::string(k.path == "unfused" ? "TORCH_CONVBIAS_PATH=unfused" : "TORCH_CONVBIAS_ACTIVATION=unfused") +
         ": the residual is added after forward's route");
+    choose_residual_pass(*plan, p, x, w, b, r, /*timed=*/false);
     return plan;
   }
   const bool forced = k.path == "fused" || k.activation == "fused";
@@ -862,6 +904,7 @@ std::shared_ptr<FpropPlan> build_residual_plan(
         !forced, "convbias: ", k.path == "fused" ? "TORCH_CONVBIAS_PATH" : "TORCH_CONVBIAS_ACTIVATION",
         "=fused but cuDNN rejected the ", graph_name(form, p.activation), " for ", p.describe(), ": ", a.failure,
         ". Hint: ", layout_hint(p));
+    plan->separate_activation_ms = choose_residual_pass(*plan, p, x, w, b, r, policy.time_candidates());
     return plan;
   }
   auto fused = std::make_shared<FpropPlan>(*plan);
@@ -875,23 +918,13 @@ std::shared_ptr<FpropPlan> build_residual_plan(
     fused->notes.push_back("the " + graph_name(form, p.activation) + " built and ran");
     return fused;
   }
-  // Both routes on these tensors, as calls run them.
-  const FpropProblem q = without_residual(p);
-  const auto own = fprop_plan(q, x, w, b);
+  // The graph against the best way without it, on these tensors, as calls run them.
   fused->epilogue_ms = time_on_stream([&] { (void)run_fprop_residual(*fused, p, x, w, b, r); });
-  const bool bias_in_pass = bias_joins_residual_pass(*own, q);
-  fused->separate_activation_ms = time_on_stream([&] {
-    if (bias_in_pass) {
-      (void)run_aten_then_residual(q, x, w, *b, r, p.activation);
-      return;
-    }
-    at::Tensor out = run_own_way(*own, q, x, w, b);
-    add_activation_(out, r, p.activation);
-  });
+  fused->separate_activation_ms = choose_residual_pass(*plan, p, x, w, b, r, /*timed=*/true);
   std::ostringstream timings;
-  timings << fused->epilogue_ms << " ms against " << fused->separate_activation_ms
-          << " ms for forward's route + one pass adding " << (bias_in_pass ? "the bias and " : "")
-          << "the residual and applying the activation";
+  timings << fused->epilogue_ms << " ms against " << fused->separate_activation_ms << " ms for "
+          << (plan->residual_bias_in_pass ? "ATen's convolution" : "forward's route") << " + one pass adding "
+          << (plan->residual_bias_in_pass ? "the bias and " : "") << "the residual and applying the activation";
   if (fused->epilogue_ms <= fused->separate_activation_ms) {
     fused->notes.push_back("the " + graph_name(form, p.activation) + " measured faster: " + timings.str());
     return fused;
@@ -943,7 +976,8 @@ std::optional<plan_store::Json> plan_record(const FpropPlan& plan) {
       {"epilogue_ms", plan.epilogue_ms},
       {"separate_activation_ms", plan.separate_activation_ms},
       {"preactivation_output", plan.preactivation_output},
-      {"residual_fused", plan.residual_fused}};
+      {"residual_fused", plan.residual_fused},
+      {"residual_bias_in_pass", plan.residual_bias_in_pass}};
   // A plan run via channels_last, padded or regrouped copies stores its choice only: the plan it runs is stored under its own key.
   const bool own_graph = !plan.via_channels_last && !plan.via_padded_channels && !plan.via_space_to_depth &&
       plan.path != FpropPath::Aten;
@@ -975,6 +1009,11 @@ std::shared_ptr<const FpropPlan> plan_from_record(
   // A residual problem's plan is its graph (which adds the residual) or ATen (forward's route, then the add).
   const bool residual_fused = r.at("residual_fused").get<bool>();
   if (residual_fused != (p.has_residual && *found != FpropPath::Aten)) {
+    return nullptr;
+  }
+  // The bias in the residual's pass: only for the ATen path of a residual problem with a bias.
+  const bool residual_bias_in_pass = r.at("residual_bias_in_pass").get<bool>();
+  if (residual_bias_in_pass && (!p.has_residual || !p.has_bias || *found != FpropPath::Aten)) {
     return nullptr;
   }
   // The matmul way: the ATen path of a problem it fits (records from before it have no such field).
@@ -1021,6 +1060,7 @@ std::shared_ptr<const FpropPlan> plan_from_record(
     plan->activation_fused = activation_fused;
     plan->preactivation_output = preactivation_output;
     plan->residual_fused = residual_fused;
+    plan->residual_bias_in_pass = residual_bias_in_pass;
     // The stored graph must hold the problem's tensors (the pre-activation output when it writes one) and exactly the
     // operations the record says it runs (the activation node, with its slope, in particular).
     const GraphForm form = form_of(*plan);

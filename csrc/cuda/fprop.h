@@ -98,6 +98,12 @@ struct FpropPlan {
   bool preactivation_output = false;
   // The graph adds the residual (a has_residual problem's graph plan; the activation, if any, is then its epilogue).
   bool residual_fused = false;
+  // A residual problem's plan that is not residual_fused, with a bias: ATen's convolution runs without the bias and one
+  // pass adds the bias and the residual (run_aten_then_residual), rather than forward's own route then the pass adding
+  // the residual. Where forward's own route is ATen's convolution anyway (bias_joins_residual_pass), or, timed, where
+  // it measures faster than that route (on strict fp32 a conv + bias graph often costs what ATen's convolution and its
+  // bias add cost, and the bias then rides free in the residual's pass, as in Inductor's block ending).
+  bool residual_bias_in_pass = false;
 
   // NCHW problems: the three ways to run them (a graph over NCHW strides, the channels_last plan on copies,
   // ATen) are measured once and the fastest kept. When the copies won, `via_channels_last` is the plan they run
@@ -183,10 +189,11 @@ at::Tensor run_aten(
 // of ATen's bias add making a third.
 bool bias_joins_residual_pass(const FpropPlan& own, const FpropProblem& problem);
 
-// act(conv(x, w) + b + r) where bias_joins_residual_pass: ATen's convolution of the original arguments without the
-// bias, then one pass adding the bias and the residual and applying the activation (bias_residual_activation_).
+// act(conv(x, w) + b + r) where the bias joins the residual's pass (FpropPlan::residual_bias_in_pass): ATen's
+// convolution without the bias, then one pass adding the bias and the residual and applying the activation
+// (bias_residual_activation_).
 at::Tensor run_aten_then_residual(
-    const FpropProblem& problem, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& r,
+    const ConvParams& params, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& r,
     const ActivationSpec& activation);
 
 // act(conv(x, w) + b) by `plan` on the current stream, in the problem's layout (the activation in the graph or

@@ -47,7 +47,9 @@ namespace fs = std::filesystem;
 //    weight gradient's also "space_to_depth_ms" / "own_way_ms"), the SPACE_TO_DEPTH knob.
 // 10: "via_space_to_depth" also for stride-1 stems (run as a 1x1 convolution over their unfolded patches): choices
 //    timed before never measured that way.
-constexpr int64_t kFormatVersion = 10;
+// 11: "residual_bias_in_pass" in forward records (a residual problem's ATen path measured against ATen's convolution
+//     without its bias + one pass adding both).
+constexpr int64_t kFormatVersion = 11;
 constexpr char kMagic[8] = {'C', 'V', 'B', 'P', 'L', 'A', 'N', '1'};
 
 std::atomic<int64_t> hit_count{0}, miss_count{0}, write_count{0}, reject_count{0};
