@@ -871,8 +871,9 @@ float choose_residual_pass(
 
 // A residual problem's plan (channels_last only): the graph conv -> [bias ADD] -> residual ADD -> [activation] where
 // it builds and runs (untimed: on a precompiled engine, as the activation's epilogue; timed: also measured against
-// forward's own route followed by one pass adding the residual and applying the activation, the faster kept), else
-// the ATen path, which forward_residual reads as "forward's route, then that pass".
+// the faster way without it, choose_residual_pass, the faster kept), else the ATen path, which forward_residual reads
+// as "forward's route (or ATen's convolution without the bias: residual_bias_in_pass), then one pass adding the
+// residual and applying the activation".
 std::shared_ptr<FpropPlan> build_residual_plan(
     const FpropProblem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
     const at::Tensor& r) {
