@@ -3,7 +3,8 @@ or of a summary's fields), leaving every measured row as it was.
 
 ``python -m bench.resummarize bench/results/layerwise_relu-nvidia-h200.json bench/results/forward_gelu-...json``
 
-The file name says which benchmark and activation it holds (``forward_<activation>`` or ``layerwise_<activation>``);
+The file name says which benchmark and activation it holds (``forward_<activation>``, ``forward_residual_<activation>``
+or ``layerwise_<activation>``);
 the JSON records which commit recomputed its summaries (``summaries_recomputed``), beside the commit that measured.
 """
 
@@ -18,23 +19,26 @@ from typing import Any
 
 from bench import bench_forward, bench_layerwise, common, harness
 
-NAME = re.compile(r"^(forward|layerwise)_([a-z_]+?)-")
+# forward_<activation>, forward_residual_<activation> (bench_forward --residual) or layerwise_<activation>.
+NAME = re.compile(r"^(forward|layerwise)_(residual_)?([a-z_]+?)-")
 
 
 def summarizable(path: Path) -> bool:
-    """Whether the file holds a forward_<activation> / layerwise_<activation> run (forward_residual has no spec here)."""
+    """Whether the file holds a forward_[residual_]<activation> / layerwise_<activation> run."""
     match = NAME.match(path.name)
-    return match is not None and match.group(2) != "residual"
+    return match is not None and not (match.group(1) == "layerwise" and match.group(2))
 
 
 def spec_of(path: Path) -> harness.Spec:
     """The spec the file's rows were measured under, from its name (forward_<activation>-<gpu>.json, ...)."""
     match = NAME.match(path.name)
     if match is None or not summarizable(path):
-        raise SystemExit(f"resummarize: {path.name} is not a forward_<activation> or layerwise_<activation> result")
-    bench, activation = match.groups()
+        raise SystemExit(
+            f"resummarize: {path.name} is not a forward_[residual_]<activation> or layerwise_<activation> result"
+        )
+    bench, residual, activation = match.groups()
     if bench == "forward":
-        return bench_forward.forward_activation_spec(activation)
+        return bench_forward.forward_activation_spec(activation, residual=bool(residual))
     return bench_layerwise.activation_spec(activation)
 
 

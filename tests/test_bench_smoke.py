@@ -289,7 +289,7 @@ def test_forward_activation_block_cpu(tmp_path: Path, monkeypatch: pytest.Monkey
     again = resummarize.resummarize(path)
     assert again["summaries"] == json.loads(json.dumps(results["summaries"]))
     assert json.loads(path.read_text())["summaries_recomputed"]["headline"] == "graphed_vs_compiled"
-    with pytest.raises(SystemExit, match="not a forward_<activation>"):
+    with pytest.raises(SystemExit, match="not a forward_"):
         resummarize.spec_of(path.with_name("forward-cpu.json"))
     # bench.merge_results: a later run's row replaces the row measuring the same thing, and the summary follows it.
     from bench import merge_results
@@ -366,6 +366,13 @@ def test_forward_residual_ending_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert set(row["timings"]) == expected == set(row["numerics"]["checks"])
     assert row["numerics"]["passed"] and row["speedup_vs_compiled"] > 0
     assert row["fused_ending_vs_ours_compiled"] is None  # no cuDNN op on the CPU
+    # explain(..., residual=r) recorded: how ours added the residual (on the CPU, ATen's reference, no graph).
+    assert row["explain"]["path"] == "aten" and row["explain"]["residual"]["fused"] is False, row["explain"]
+    # bench.resummarize (and so merge_results) reads the file's name as the residual spec, not an activation's.
+    from bench import resummarize
+
+    assert resummarize.spec_of(path) == bench_forward.forward_activation_spec("relu", residual=True)
+    assert resummarize.resummarize(path)["summaries"] == json.loads(json.dumps(results["summaries"]))
     assert bench_forward.main(["--residual", *FAST]) == 2  # a residual needs an activation
 
 
