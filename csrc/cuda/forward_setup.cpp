@@ -77,7 +77,6 @@ ForwardRoute route_forward(
   return route;
 }
 
-
 ResidualRoute route_forward_residual(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const at::Tensor& residual, const ConvParams& params, const ActivationSpec& activation) {

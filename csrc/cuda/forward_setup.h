@@ -81,7 +81,6 @@ struct ResidualRoute {
 // (bias_joins_residual_pass). One decision for the call and explain().
 bool residual_pass_adds_bias(const ResidualRoute& route, const ForwardRoute& own);
 
-
 ResidualRoute route_forward_residual(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const at::Tensor& residual, const ConvParams& params, const ActivationSpec& activation);
