@@ -102,6 +102,31 @@ def test_residual_ending_runs_the_matmul_way_then_the_add(strict_benchmark: None
     assert residual["residual"]["fused"] is True or forward_route["matmul"] is True, (residual, forward_route)
 
 
+
+def test_residual_plan_may_take_atens_convolution_without_the_bias_over_the_matmul_way(strict_benchmark: None) -> None:
+    """Where forward's own route is the matmul way and the residual's graph is not taken, the residual's plan also
+    measures ATen's convolution without the bias + one pass adding the bias and the residual; when that wins (the test
+    hook here) the call runs it and explain() no longer reports the matmul way, which that call does not run."""
+    x, w, b = problem(2, 16, 7, 32, seed=13)
+    z = torch.randn(2, 32, 7, 8, device="cuda").contiguous(memory_format=torch.channels_last)
+    torch.ops.convbias._inject_matmul_preferences(1)
+    conv_bias2d(x, w, b)  # forward's own plan for conv + bias: the matmul way
+    torch.ops.convbias._inject_matmul_preferences(0)
+    assert torch_convbias.explain(x, w, b)["matmul"] is True
+    try:
+        torch.ops.convbias._inject_epilogue_rejections(1)  # the residual's graph
+        torch.ops.convbias._inject_aten_preferences(1)  # then the residual plan's measurement of the two passes
+        out = conv_bias2d(x, w, b, activation="relu", residual=z)
+    finally:
+        torch.ops.convbias._inject_epilogue_rejections(0)
+        torch.ops.convbias._inject_aten_preferences(0)
+    info = torch_convbias.explain(x, w, b, activation="relu", residual=z)
+    assert info["residual"]["fused"] is False and info["residual"]["bias_in_pass"] is True, info
+    assert info["path"] == "aten" and info["matmul"] is False and "engine" not in info, info
+    assert "taken by the test hook" in info["residual"]["why"], info
+    want = F.relu(F.conv2d(x.double(), w.double(), b.double()) + z.double())
+    assert_close(out.double(), want, MODES["float32"], "output")
+
 def test_matmul_way_is_measured_only_where_it_fits(strict_benchmark: None) -> None:
     """Timed: a 1x1 stride-1 problem measures the way beside the graph and ATen (and takes it only if fastest); a 3x3
     one, a strided 1x1, a bfloat16 1x1 and NCHW tensors (run by a way's channels_last copies) never measure it, even

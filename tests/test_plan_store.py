@@ -189,11 +189,15 @@ def swap_records(target: Path, donor: Path) -> None:
     body_t, body_d = target.read_bytes()[16:], donor.read_bytes()[16:]
     record, timed = b"\x66record", b"\x65timed"
     start_t, start_d = body_t.index(record) + len(record), body_d.index(record) + len(record)
-    body = body_t[:start_t] + body_d[start_d : body_d.rindex(timed)] + body_t[body_t.rindex(timed) :]
+    rewrite_body(target, magic, body_t[:start_t] + body_d[start_d : body_d.rindex(timed)] + body_t[body_t.rindex(timed) :])
+
+
+def rewrite_body(path: Path, magic: bytes, body: bytes) -> None:
+    """`path` as magic, the FNV-1a checksum of `body`, `body`: a file the store's checksum accepts."""
     fnv = 0xCBF29CE484222325
     for byte in body:
         fnv = ((fnv ^ byte) * 0x100000001B3) % 2**64
-    target.write_bytes(magic + fnv.to_bytes(8, "little") + body)
+    path.write_bytes(magic + fnv.to_bytes(8, "little") + body)
 
 
 @cuda
@@ -335,3 +339,28 @@ def test_residual_plans_are_stored_and_loaded(tmp_path: Path) -> None:
     assert second["disk_writes"] == 0 and second["disk_misses"] == 0 and second["disk_rejected"] == 0, second
     route = [(r["path"], r["fused"], r["graph_ops"], r["engine"]) for r in built["rows"]]
     assert [(r["path"], r["fused"], r["graph_ops"], r["engine"]) for r in loaded["rows"]] == route
+
+
+@cuda
+def test_a_record_claiming_the_bias_in_the_residual_pass_where_it_cannot_be_is_rejected(tmp_path: Path) -> None:
+    """A record's residual_bias_in_pass (ATen's convolution without the bias, then one pass adding bias and residual)
+    fits only a residual problem with a bias whose plan is the ATen path: a record claiming it for a problem without a
+    residual (forward's own route), without a bias, or whose plan is the residual's graph is rejected and rebuilt."""
+    built = run(tmp_path, "kernel", script=RESIDUAL_SCRIPT)
+    claim = b"\x75residual_bias_in_pass"  # CBOR: a text of 21 bytes, then the value (false 0xf4, true 0xf5)
+    flipped = 0
+    for path in plan_files(tmp_path):
+        data = path.read_bytes()
+        if not path.name.startswith("forward-") or claim + b"\xf4" not in data:
+            continue
+        # A residual problem's record names its graph in its notes ("fused conv+bias+residual+relu graph ...").
+        fits_the_claim = b"fused conv+bias+residual" in data and b"\x6eresidual_fused\xf4" in data
+        if fits_the_claim:
+            continue
+        rewrite_body(path, data[:8], data[16:].replace(claim + b"\xf4", claim + b"\xf5"))
+        flipped += 1
+    residual_graphs = sum(row["fused"] for row in built["rows"])
+    assert flipped >= 2 + residual_graphs, (flipped, built["rows"])  # the no-bias residual record, own routes, graphs
+    report = run(tmp_path, "kernel", script=RESIDUAL_SCRIPT)  # the rows are still right (run checks them)
+    cache = report["cache"]
+    assert cache["disk_rejected"] == cache["disk_writes"] == flipped, (cache, flipped)

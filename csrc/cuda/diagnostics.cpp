@@ -470,8 +470,9 @@ std::string explain_residual_cuda(
   }
   const bool bias_in_pass = !cuda::batch_part_size(input, weight, cuda::output_numel(input, weight, params)) &&
       cuda::residual_pass_adds_bias(route, cuda::route_forward(input, weight, bias, params, ActivationSpec{}));
-  if (bias_in_pass && out["path"] != "aten") {
-    // The residual's plan measured ATen's convolution without the bias faster than forward's own route.
+  if (bias_in_pass && (out["path"] != "aten" || out.value("matmul", false))) {
+    // The residual's plan measured ATen's convolution without the bias faster than forward's own route (a graph, or
+    // the matmul way, which reports path "aten" too).
     out["path"] = "aten";
     out["matmul"] = false;
     out["graph_ops"] = Json::array();
