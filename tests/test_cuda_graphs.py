@@ -529,6 +529,8 @@ def test_cache_size_knob_evicts() -> None:
         ("TORCH_CONVBIAS_PAD_CHANNELS", "always", "TORCH_CONVBIAS_PAD_CHANNELS must be auto, on or off, got 'always'"),
         ("TORCH_CONVBIAS_BIAS_GRAD", "sum", "TORCH_CONVBIAS_BIAS_GRAD must be kernel, cudnn or aten, got 'sum'"),
         ("TORCH_CONVBIAS_WORKSPACE_FALLBACK", "maybe", "TORCH_CONVBIAS_WORKSPACE_FALLBACK must be on or off, got 'maybe'"),
+        ("TORCH_CONVBIAS_RUNTIME_COMPILATION", "always",
+         "TORCH_CONVBIAS_RUNTIME_COMPILATION must be fallback, timed or off, got 'always'"),
     ],
 )
 def test_bad_knob_is_reported(knob: str, value: str, message: str) -> None:
@@ -536,6 +538,13 @@ def test_bad_knob_is_reported(knob: str, value: str, message: str) -> None:
         [sys.executable, "-c", SCRIPT], env={**os.environ, knob: value}, cwd=ROOT,
         capture_output=True, text=True, timeout=300,
     )
+    assert result.returncode != 0 and message in result.stderr and "ValueError" in result.stderr
+
+
+def test_runtime_compilation_timed_contradicting_no_runtime_compilation_is_reported() -> None:
+    env = {**os.environ, "TORCH_CONVBIAS_RUNTIME_COMPILATION": "timed", "TORCH_CONVBIAS_NO_RUNTIME_COMPILATION": "1"}
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    message = "TORCH_CONVBIAS_RUNTIME_COMPILATION=timed contradicts TORCH_CONVBIAS_NO_RUNTIME_COMPILATION=1"
     assert result.returncode != 0 and message in result.stderr and "ValueError" in result.stderr
 
 

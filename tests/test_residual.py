@@ -396,6 +396,44 @@ def test_cuda_residual_plan_measures_aten_without_the_bias_against_a_graph_route
     close(out, oracle(x, w, b, r, "relu"), mode)
 
 
+
+RUNTIME_COMPILATION_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, "tests")
+from test_residual import cuda_problem, oracle, close
+from conftest import MODES
+import torch_convbias
+x, w, b, r = cuda_problem(torch.bfloat16, 23, seed=71)
+out = torch_convbias.conv_bias2d(x, w, b, padding=1, activation="relu", residual=r)
+close(out, oracle(x, w, b, r, "relu"), MODES["bfloat16"])
+print(json.dumps(torch_convbias.explain(x, w, b, padding=1, activation="relu", residual=r)))
+"""
+
+
+@cuda
+def test_cuda_runtime_compilation_timed_times_nvrtc_engines_beside_precompiled_ones() -> None:
+    """TORCH_CONVBIAS_RUNTIME_COMPILATION=timed: a timed choice (AUTOTUNE=on) of the residual's graph also builds and
+    times the runtime-compiled engines heuristics offer, beside the same precompiled ones the default (fallback: only
+    where no precompiled engine builds) times; the fastest of all is kept, and the result is right either way."""
+    engines = {}
+    for mode in ("fallback", "timed"):
+        result = run_with_knobs(
+            RUNTIME_COMPILATION_SCRIPT, TORCH_CONVBIAS_PATH="fused", TORCH_CONVBIAS_AUTOTUNE="on",
+            TORCH_CONVBIAS_RUNTIME_COMPILATION=mode,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        info = json.loads(result.stdout.strip().splitlines()[-1])
+        assert info["residual"]["fused"] is True, info
+        engines[mode] = info["engine"]
+    fallback, timed = engines["fallback"], engines["timed"]
+    precompiled = fallback["built"] - fallback["runtime_compiled_built"]
+    if precompiled > 0:
+        assert fallback["runtime_compiled_built"] == 0, fallback
+    assert timed["runtime_compiled_built"] > 0, timed
+    assert timed["built"] - timed["runtime_compiled_built"] == precompiled, (fallback, timed)
+    assert len(timed["timings"]) > len(fallback["timings"]) or precompiled == 0, (fallback, timed)
+    assert timed["measured_ms"] == min(ms for _, ms in timed["timings"]), timed
+
 @cuda
 def test_cuda_graph_capture() -> None:
     mode = MODES["float32"]

@@ -35,7 +35,7 @@ def main() -> int:
     if info["cudnn_loaded"] != info["cudnn_compiled"]:
         print("  note: cuDNN loaded at run time differs from the headers compiled against (fine within 9.x)")
     for knob in ("TORCH_CONVBIAS_CACHE_SIZE", "TORCH_CONVBIAS_PATH", "TORCH_CONVBIAS_AUTOTUNE",
-                 "TORCH_CONVBIAS_NO_RUNTIME_COMPILATION"):
+                 "TORCH_CONVBIAS_NO_RUNTIME_COMPILATION", "TORCH_CONVBIAS_RUNTIME_COMPILATION"):
         if knob in os.environ:
             print(f"  {knob}={os.environ[knob]}")
 

@@ -104,6 +104,7 @@ Json engine_json(const cuda::EngineChoice& e) {
       {"heuristic_candidates", e.heuristic_candidates},
       {"swept", e.swept},
       {"built", e.built},
+      {"runtime_compiled_built", e.runtime_compiled_built},
       {"execution_failures", e.execution_failures},
       {"timings", timings_json(e.timings)},
       {"rejected", e.rejected},

@@ -342,9 +342,11 @@ EngineChoice select_engine(
   const bool timed = policy.time_candidates();
   std::vector<int64_t> built;
   // Precompiled engines first: they build in microseconds, while runtime-compiled ones take 0.05-5 s and
-  // were never the fastest fused engine on the H200; they are tried only when no precompiled one builds (and runs).
+  // were never the fastest fused engine on the H200; they are tried only when no precompiled one builds (and runs),
+  // or, timed, beside them where TORCH_CONVBIAS_RUNTIME_COMPILATION=timed asks for it.
+  const bool time_runtime_compiled = timed && policy.time_runtime_compiled && policy.allow_runtime_compiled;
   for (int pass = 0; pass < 2 && static_cast<int>(built.size()) < max_candidates; ++pass) {
-    if (pass == 1 && !built.empty()) {
+    if (pass == 1 && !built.empty() && !time_runtime_compiled) {
       break;
     }
     for (int64_t i = 0; i < count && static_cast<int>(built.size()) < max_candidates; ++i) {
@@ -364,6 +366,9 @@ EngineChoice select_engine(
         continue;
       }
       built.push_back(i);
+      if (pass == 1) {
+        ++choice.runtime_compiled_built;
+      }
     }
   }
   choice.built = static_cast<int64_t>(built.size());
@@ -371,8 +376,10 @@ EngineChoice select_engine(
   if (timed && policy.verify_by_running) {
     float best = std::numeric_limits<float>::infinity();
     std::vector<int64_t> ran; // the candidates that executed: the only ones the fallback may be chosen from
+    // The budget is for timing: runtime-compiled builds (seconds) must not leave it spent before the first run.
+    const auto timing_start = time_runtime_compiled ? Clock::now() : start;
     for (const int64_t index : built) {
-      if (seconds_since(start) > kTimingBudgetSeconds && !std::isinf(best)) {
+      if (seconds_since(timing_start) > kTimingBudgetSeconds && !std::isinf(best)) {
         // Always recorded (note_rejection keeps only the first few reasons).
         choice.rejected.push_back("timing budget of 2 s spent: the remaining candidates were not timed");
         break;
@@ -618,7 +625,8 @@ SelectionPolicy default_policy(at::ScalarType dtype, const MathFlags& flags) {
       flags,
       /*tuning=*/capturing ? Tuning::Untimed : requested,
       /*allow_runtime_compiled=*/knobs().allow_runtime_compiled && !capturing,
-      /*verify_by_running=*/!capturing};
+      /*verify_by_running=*/!capturing,
+      /*time_runtime_compiled=*/knobs().time_runtime_compiled};
 }
 
 } // namespace convbias::cuda

@@ -49,6 +49,7 @@ struct EngineChoice {
   int64_t heuristic_candidates = 0; // engine configs offered: heuristics' and the sweep's (before note filters)
   int64_t swept = 0; // of which added by the engine sweep (engines heuristics did not offer)
   int64_t built = 0; // plans that built
+  int64_t runtime_compiled_built = 0; // of which runtime-compiled (NVRTC) engines
   std::vector<std::string> rejected; // why candidates were dropped (first few)
   std::vector<std::pair<std::string, float>> timings; // (engine, ms) of each timed candidate
   int64_t execution_failures = 0; // candidates that built but failed to execute (skipped, as ATen's own graph code does)
@@ -73,6 +74,9 @@ struct SelectionPolicy {
   // Run an untimed choice once before accepting it (a plan that builds may still fail to execute). Off during CUDA
   // graph capture, where nothing may run outside the captured work.
   bool verify_by_running;
+  // Timed choices also build and time the runtime-compiled engines beside the precompiled ones
+  // (TORCH_CONVBIAS_RUNTIME_COMPILATION=timed); otherwise those are built only where no precompiled engine builds.
+  bool time_runtime_compiled = false;
 
   // Plans to build (and time, unless Untimed): 1, 3, or every engine that builds.
   int max_candidates() const;

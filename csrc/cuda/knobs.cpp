@@ -25,7 +25,16 @@ const Knobs& knobs() {
       TORCH_CHECK_VALUE(false, "TORCH_CONVBIAS_CACHE_SIZE must be a positive integer, got '", size, "'");
     }
     TORCH_CHECK_VALUE(result.cache_size > 0, "TORCH_CONVBIAS_CACHE_SIZE must be a positive integer, got ", size);
-    result.allow_runtime_compiled = env_or("TORCH_CONVBIAS_NO_RUNTIME_COMPILATION", "0") != "1";
+    const std::string runtime_compilation = env_or("TORCH_CONVBIAS_RUNTIME_COMPILATION", "fallback");
+    TORCH_CHECK_VALUE(
+        runtime_compilation == "fallback" || runtime_compilation == "timed" || runtime_compilation == "off",
+        "TORCH_CONVBIAS_RUNTIME_COMPILATION must be fallback, timed or off, got '", runtime_compilation, "'");
+    const bool none = env_or("TORCH_CONVBIAS_NO_RUNTIME_COMPILATION", "0") == "1";
+    TORCH_CHECK_VALUE(
+        !none || runtime_compilation != "timed",
+        "TORCH_CONVBIAS_RUNTIME_COMPILATION=timed contradicts TORCH_CONVBIAS_NO_RUNTIME_COMPILATION=1");
+    result.allow_runtime_compiled = !none && runtime_compilation != "off";
+    result.time_runtime_compiled = runtime_compilation == "timed";
     result.path = env_or("TORCH_CONVBIAS_PATH", "auto");
     TORCH_CHECK_VALUE(
         result.path == "auto" || result.path == "fused" || result.path == "unfused" || result.path == "aten",

@@ -8,7 +8,11 @@ namespace convbias::cuda {
 
 struct Knobs {
   int64_t cache_size; // TORCH_CONVBIAS_CACHE_SIZE (plans kept, LRU), default 1000
-  bool allow_runtime_compiled; // TORCH_CONVBIAS_NO_RUNTIME_COMPILATION=1 excludes NVRTC engines
+  // TORCH_CONVBIAS_RUNTIME_COMPILATION: fallback (default: runtime-compiled, NVRTC, engines are built only where no
+  // precompiled one builds) | timed (timed choices also build and time them beside the precompiled ones) | off
+  // (never; also TORCH_CONVBIAS_NO_RUNTIME_COMPILATION=1)
+  bool allow_runtime_compiled;
+  bool time_runtime_compiled;
   std::string path; // TORCH_CONVBIAS_PATH: auto | fused | unfused | aten
   // TORCH_CONVBIAS_ACTIVATION: auto (the activation in the graph's epilogue where it builds; when choices are timed,
   // only where measured faster) | fused (the epilogue graph or an error) | unfused (a pass after the graph:

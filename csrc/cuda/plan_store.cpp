@@ -90,6 +90,7 @@ Json knob_values() {
       {"space_to_depth", k.space_to_depth},
       {"autotune", k.autotune},
       {"no_runtime_compilation", !k.allow_runtime_compiled},
+      {"time_runtime_compiled", k.time_runtime_compiled},
       {"param_grad", k.param_grad},
       {"input_grad", k.input_grad},
       {"bias_grad", k.bias_grad}};
@@ -436,6 +437,7 @@ std::optional<Json> graph_record(fe::graph::Graph& graph, const EngineChoice& e)
         {"heuristic_candidates", e.heuristic_candidates},
         {"swept", e.swept},
         {"built", e.built},
+        {"runtime_compiled_built", e.runtime_compiled_built},
         {"rejected", e.rejected},
         {"timings", timings_json(e.timings)},
         {"fallback_engine", e.fallback_engine},
@@ -476,6 +478,7 @@ std::optional<LoadedGraph> load_graph(
   engine.heuristic_candidates = e.at("heuristic_candidates").get<int64_t>();
   engine.swept = e.at("swept").get<int64_t>();
   engine.built = e.at("built").get<int64_t>();
+  engine.runtime_compiled_built = e.value("runtime_compiled_built", int64_t{0}); // not in records before it
   engine.rejected = e.at("rejected").get<std::vector<std::string>>();
   engine.timings = timings_from(e.at("timings"));
   engine.from_disk = true;
