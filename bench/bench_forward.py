@@ -44,7 +44,7 @@ from torch import nn
 import torch_convbias
 
 from . import harness
-from .common import ACTIVATION_MODULES, Mode, capture_replay, check_against_float64, fmt, short_error
+from .common import ACTIVATION_MODULES, Mode, capture_replay, check_against_float64, fmt, gpu_kernels, short_error
 
 # The suite lives in the shared driver; these names stay importable from here.
 from .harness import CPU_BATCH, CPU_MAX_HW, QUICK_SUITE, SUITE, Shape  # noqa: F401
@@ -362,6 +362,16 @@ class ResidualEnding(nn.Module):
         return self.activation(out)
 
 
+# The sides of the residual ending whose kernels a row records.
+KERNEL_SIDES = ("ours", "torch_cudnn_add_relu", "torch_compiled")
+
+
+def ending_kernels(fn: Callable[[], Any], device: str) -> dict[str, float] | None:
+    """GPU ms per kernel of one call of `fn` (names cut to 200 characters: cuDNN's carry long template lists)."""
+    kernels = gpu_kernels([fn], device)
+    return None if kernels is None else {name[:200]: ms for name, ms in kernels.items()}
+
+
 def activation_variants(
     problem: Problem, activation: str, residual: torch.Tensor | None = None
 ) -> dict[str, Callable[[], torch.Tensor]]:
@@ -432,6 +442,13 @@ def measure_activation(
     route = explain(problem, activation, added) if "ours" not in errors else None
     timings = harness.time_variants(variants, errors, warmup, iters, device, called=list(variants))
     rates = harness.time_throughput(variants, errors, device)
+    # With a residual, the kernels of one call of each side that runs the whole ending (profiler; None on the CPU):
+    # which engine ours and PyTorch's fused op each took where their times differ.
+    kernels = (
+        {name: ending_kernels(variants[name], device) for name in KERNEL_SIDES if name in variants and name not in errors}
+        if residual
+        else None
+    )
     graphed: dict[str, Callable[[], Any]] = {}
     graph_errors: dict[str, str] = {}
     if torch.device(device).type == "cuda":
@@ -458,6 +475,7 @@ def measure_activation(
         "graph_error": "; ".join(f"{k}: {v}" for k, v in graph_errors.items()) or None,
         "numerics": numerics,
         "explain": route,
+        "kernels": kernels,
     }
 
 

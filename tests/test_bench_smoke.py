@@ -368,6 +368,8 @@ def test_forward_residual_ending_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert row["fused_ending_vs_ours_compiled"] is None  # no cuDNN op on the CPU
     # explain(..., residual=r) recorded: how ours added the residual (on the CPU, ATen's reference, no graph).
     assert row["explain"]["path"] == "aten" and row["explain"]["residual"]["fused"] is False, row["explain"]
+    # Each ending side's kernels (profiler) are recorded on CUDA; on the CPU there are none.
+    assert set(row["kernels"]) == {"ours", "torch_compiled"} and row["kernels"]["ours"] is None, row["kernels"]
     # bench.resummarize (and so merge_results) reads the file's name as the residual spec, not an activation's.
     from bench import resummarize
 
