@@ -102,7 +102,6 @@ def test_residual_ending_runs_the_matmul_way_then_the_add(strict_benchmark: None
     assert residual["residual"]["fused"] is True or forward_route["matmul"] is True, (residual, forward_route)
 
 
-
 def test_residual_plan_may_take_atens_convolution_without_the_bias_over_the_matmul_way(strict_benchmark: None) -> None:
     """Where forward's own route is the matmul way and the residual's graph is not taken, the residual's plan also
     measures ATen's convolution without the bias + one pass adding the bias and the residual; when that wins (the test
@@ -126,6 +125,7 @@ def test_residual_plan_may_take_atens_convolution_without_the_bias_over_the_matm
     assert "taken by the test hook" in info["residual"]["why"], info
     want = F.relu(F.conv2d(x.double(), w.double(), b.double()) + z.double())
     assert_close(out.double(), want, MODES["float32"], "output")
+
 
 def test_matmul_way_is_measured_only_where_it_fits(strict_benchmark: None) -> None:
     """Timed: a 1x1 stride-1 problem measures the way beside the graph and ATen (and takes it only if fastest); a 3x3

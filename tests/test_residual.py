@@ -396,7 +396,6 @@ def test_cuda_residual_plan_measures_aten_without_the_bias_against_a_graph_route
     close(out, oracle(x, w, b, r, "relu"), mode)
 
 
-
 RUNTIME_COMPILATION_SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, "tests")
@@ -433,6 +432,7 @@ def test_cuda_runtime_compilation_timed_times_nvrtc_engines_beside_precompiled_o
     assert timed["built"] - timed["runtime_compiled_built"] == precompiled, (fallback, timed)
     assert len(timed["timings"]) > len(fallback["timings"]) or precompiled == 0, (fallback, timed)
     assert timed["measured_ms"] == min(ms for _, ms in timed["timings"]), timed
+
 
 @cuda
 def test_cuda_graph_capture() -> None:
