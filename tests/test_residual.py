@@ -413,9 +413,10 @@ print(json.dumps(torch_convbias.explain(x, w, b, padding=1, activation="relu", r
 def test_cuda_runtime_compilation_timed_times_nvrtc_engines_beside_precompiled_ones() -> None:
     """TORCH_CONVBIAS_RUNTIME_COMPILATION=timed: a timed choice (AUTOTUNE=on) of the residual's graph also builds and
     times the runtime-compiled engines heuristics offer, beside the same precompiled ones the default (fallback: only
-    where no precompiled engine builds) times; the fastest of all is kept, and the result is right either way."""
+    where no precompiled engine builds) times; the fastest of all is kept; `off` builds none of them; the result is
+    right each way."""
     engines = {}
-    for mode in ("fallback", "timed"):
+    for mode in ("fallback", "timed", "off"):
         result = run_with_knobs(
             RUNTIME_COMPILATION_SCRIPT, TORCH_CONVBIAS_PATH="fused", TORCH_CONVBIAS_AUTOTUNE="on",
             TORCH_CONVBIAS_RUNTIME_COMPILATION=mode,
@@ -432,6 +433,7 @@ def test_cuda_runtime_compilation_timed_times_nvrtc_engines_beside_precompiled_o
     assert timed["built"] - timed["runtime_compiled_built"] == precompiled, (fallback, timed)
     assert len(timed["timings"]) > len(fallback["timings"]) or precompiled == 0, (fallback, timed)
     assert timed["measured_ms"] == min(ms for _, ms in timed["timings"]), timed
+    assert engines["off"]["runtime_compiled_built"] == 0 and engines["off"]["built"] == precompiled, engines["off"]
 
 
 @cuda
