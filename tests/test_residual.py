@@ -421,6 +421,11 @@ def test_cuda_runtime_compilation_timed_times_nvrtc_engines_beside_precompiled_o
             RUNTIME_COMPILATION_SCRIPT, TORCH_CONVBIAS_PATH="fused", TORCH_CONVBIAS_AUTOTUNE="on",
             TORCH_CONVBIAS_RUNTIME_COMPILATION=mode,
         )
+        if mode == "off" and result.returncode != 0:
+            # No precompiled engine builds this graph: forced, it is refused, saying why (checked below).
+            assert "TORCH_CONVBIAS_PATH=fused but cuDNN rejected the" in result.stderr, result.stderr[-3000:]
+            engines[mode] = None
+            continue
         assert result.returncode == 0, result.stderr[-3000:]
         info = json.loads(result.stdout.strip().splitlines()[-1])
         assert info["residual"]["fused"] is True, info
@@ -433,7 +438,9 @@ def test_cuda_runtime_compilation_timed_times_nvrtc_engines_beside_precompiled_o
     assert timed["built"] - timed["runtime_compiled_built"] == precompiled, (fallback, timed)
     assert len(timed["timings"]) > len(fallback["timings"]) or precompiled == 0, (fallback, timed)
     assert timed["measured_ms"] == min(ms for _, ms in timed["timings"]), timed
-    assert engines["off"]["runtime_compiled_built"] == 0 and engines["off"]["built"] == precompiled, engines["off"]
+    off = engines["off"]
+    assert (off is None) == (precompiled == 0), (fallback, off)
+    assert off is None or (off["runtime_compiled_built"] == 0 and off["built"] == precompiled), off
 
 
 @cuda
