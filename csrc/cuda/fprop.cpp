@@ -28,7 +28,7 @@ struct GraphForm {
   bool bias = false;
   bool activation = false;
   bool preactivation = false; // only with activation
-  bool residual = false; // the residual ADD after the bias, before the activation (never with preactivation)
+  bool residual = false; // the residual ADD right after the convolution, before the bias (never with preactivation)
 };
 
 GraphForm form_of(const FpropPlan& plan) {
@@ -67,7 +67,21 @@ std::shared_ptr<fe::graph::Graph> make_graph(
     // An intermediate: FP32, never written to memory.
     conv->set_data_type(fe::DataType_t::FLOAT).set_dim(as_vector(p.y_dims)).set_stride(packed_strides(p.y_dims, p.channels_last));
   }
+  if (form.residual) {
+    // The residual (y's shape, packed like y) added in FP32 before the bias: a residual block's ending. This order
+    // (conv, + residual, + bias, activation) is cudnnConvolutionBiasActivationForward's and ATen's fused graph's, the
+    // pattern cuDNN's precompiled conv+add+bias+activation engines are made for; with the bias first, the engines
+    // chosen were runtime-compiled ones, slower than ATen's on most shapes (bench_forward --residual, H100, cuDNN 9.19).
+    auto r = packed_tensor(*graph, "residual", kR, p.y_dims, p.channels_last, p.residual_alignment);
+    y = graph->pointwise(
+        y, r,
+        fe::graph::Pointwise_attributes()
+            .set_name("residual_add")
+            .set_mode(fe::PointwiseMode_t::ADD)
+            .set_compute_data_type(fe::DataType_t::FLOAT));
+  }
   if (form.bias) {
+    y->set_data_type(fe::DataType_t::FLOAT); // the sum so far: FP32, never written
     const int64_t k = p.w_dims[0];
     auto b = graph->tensor(fe::graph::Tensor_attributes()
                                .set_name("bias")
@@ -76,20 +90,9 @@ std::shared_ptr<fe::graph::Graph> make_graph(
                                .set_stride({k, 1, k, k})
                                .set_alignment(p.alignments[2]));
     y = graph->pointwise(
-        conv, b,
+        y, b,
         fe::graph::Pointwise_attributes()
             .set_name("bias_add")
-            .set_mode(fe::PointwiseMode_t::ADD)
-            .set_compute_data_type(fe::DataType_t::FLOAT));
-  }
-  if (form.residual) {
-    // The residual (y's shape, packed like y) added in FP32 before the activation: a residual block's ending.
-    auto r = packed_tensor(*graph, "residual", kR, p.y_dims, p.channels_last, p.residual_alignment);
-    y->set_data_type(fe::DataType_t::FLOAT); // the sum so far: FP32, never written
-    y = graph->pointwise(
-        y, r,
-        fe::graph::Pointwise_attributes()
-            .set_name("residual_add")
             .set_mode(fe::PointwiseMode_t::ADD)
             .set_compute_data_type(fe::DataType_t::FLOAT));
   }
@@ -869,7 +872,7 @@ float choose_residual_pass(
   return aten_ms;
 }
 
-// A residual problem's plan (channels_last only): the graph conv -> [bias ADD] -> residual ADD -> [activation] where
+// A residual problem's plan (channels_last only): the graph conv -> residual ADD -> [bias ADD] -> [activation] where
 // it builds and runs (untimed: on a precompiled engine, as the activation's epilogue; timed: also measured against
 // the faster way without it, choose_residual_pass, the faster kept), else the ATen path, which forward_residual reads
 // as "forward's route (or ATen's convolution without the bias: residual_bias_in_pass), then one pass adding the

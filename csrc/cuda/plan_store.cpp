@@ -49,7 +49,8 @@ namespace fs = std::filesystem;
 //    timed before never measured that way.
 // 11: "residual_bias_in_pass" in forward records (a residual problem's ATen path measured against ATen's convolution
 //     without its bias + one pass adding both).
-constexpr int64_t kFormatVersion = 11;
+// 12: residual graphs add the residual before the bias (ATen's order): engines chosen for the old graph may not run.
+constexpr int64_t kFormatVersion = 12;
 constexpr char kMagic[8] = {'C', 'V', 'B', 'P', 'L', 'A', 'N', '1'};
 
 std::atomic<int64_t> hit_count{0}, miss_count{0}, write_count{0}, reject_count{0};
