@@ -13,7 +13,7 @@ TORCH_LIBRARY(convbias, m) {
   // act(F.conv2d(input, weight, bias, ...) + residual): the ending of a residual block (torchvision's ResNet:
   // `out += identity; out = relu(out)`, the batch norm folded into the bias) in one op. `residual` has the
   // convolution's output shape, dtype and device; the output has forward's memory format. On CUDA (channels_last) one
-  // cuDNN graph conv -> bias ADD -> residual ADD -> activation where an engine runs it; elsewhere forward's route, then
+  // cuDNN graph conv -> residual ADD -> bias ADD -> activation where an engine runs it; elsewhere forward's route, then
   // the add and the activation.
   m.def(
       "forward_residual(Tensor input, Tensor weight, Tensor? bias, Tensor residual, SymInt[2] stride, "

@@ -1,6 +1,6 @@
 """convbias.forward_residual: act(conv + bias + residual), a residual block's ending, against float64 F.conv2d + the
 residual + the activation module (an oracle that shares nothing with the op), on the CPU reference path and on CUDA
-(the cuDNN graph conv -> bias ADD -> residual ADD -> activation where an engine runs it, else forward's route and one
+(the cuDNN graph conv -> residual ADD -> bias ADD -> activation where an engine runs it, else forward's route and one
 pass); gradients of every input against autograd through the float64 oracle; bad residuals rejected by name."""
 
 from __future__ import annotations
@@ -188,7 +188,8 @@ def check_consistent(info: dict, name: str, bias: bool) -> None:
     if residual["fused"]:
         last = {"identity": [], "relu": ["RELU_FWD"], "gelu": ["GELU_FWD"]}[name]
         assert info["graph_ops"] == ["CONV_FPROP", *(["ADD"] if bias else []), "ADD", *last], info
-        assert "residual add" in residual["how"], info
+        nodes = ["conv", "residual add", *(["bias add"] if bias else []), *last]
+        assert residual["how"].startswith("in the cuDNN graph: " + " -> ".join(nodes) + ","), info
     else:
         assert "one pass after forward's route" in residual["how"] and residual["why"], info
 
@@ -213,6 +214,29 @@ def test_cuda_right_and_explained_by_either_route(dtype: torch.dtype, timed: boo
     close(out, oracle(x, w, b, r, "relu"), mode)
 
 
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cuda_untimed_residual_graph_runs_on_a_precompiled_engine(dtype: torch.dtype) -> None:
+    """The residual added right after the convolution, then the bias, then relu (cudnnConvolutionBiasActivationForward's
+    order, as in ATen's fused graph) is the pattern cuDNN's precompiled conv+add+bias+activation engines take: untimed
+    (runtime-compiled engines are not built then) the residual is in the graph on a precompiled engine. With the bias
+    added first no precompiled engine built it, and the residual took forward's route and a pass (before e050867)."""
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("cuDNN's precompiled fused convolution engines need sm80 or later")
+    mode = MODES["float16" if dtype == torch.float16 else "bfloat16"]
+    x, w, b, r = cuda_problem(dtype, 29, seed=31)
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        out = conv_bias2d(x, w, b, padding=1, activation="relu", residual=r)
+        info = torch_convbias.explain(x, w, b, padding=1, activation="relu", residual=r)
+    finally:
+        torch.backends.cudnn.benchmark = saved
+    assert info["residual"]["fused"] is True and info["engine"]["runtime_compiled"] is False, info
+    check_consistent(info, "relu", bias=True)
+    close(out, oracle(x, w, b, r, "relu"), mode)
+
+
 FORCED_SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, "tests")
@@ -232,7 +256,7 @@ print(json.dumps(rows))
 @cuda
 def test_cuda_forced_graph_adds_the_residual_in_the_graph() -> None:
     """TORCH_CONVBIAS_PATH=fused (runtime-compiled engines allowed; an error where cuDNN refuses): one graph conv ->
-    [bias ADD] -> residual ADD -> [activation], right, fp16 channels_last."""
+    residual ADD -> [bias ADD] -> [activation], right, fp16 channels_last."""
     result = run_with_knobs(FORCED_SCRIPT, TORCH_CONVBIAS_PATH="fused")
     assert result.returncode == 0, result.stderr[-3000:]
     for row, info in json.loads(result.stdout.strip().splitlines()[-1]).items():

@@ -431,8 +431,8 @@ std::string explain_residual_cuda(
   if (plan && plan->residual_fused) {
     const cuda::PreparedForward& prepared = *route.prepared;
     const std::string node = spec.is_identity() ? "" : " -> " + cuda::epilogue_operation(spec);
-    const std::string how = std::string("in the cuDNN graph: conv -> ") +
-        (plan->path == cuda::FpropPath::Fused ? "bias add -> " : "") + "residual add" + node + ", FP32, one output write";
+    const std::string how = std::string("in the cuDNN graph: conv -> residual add") +
+        (plan->path == cuda::FpropPath::Fused ? " -> bias add" : "") + node + ", FP32, one output write";
     Json out{
         {"math", math_json()},
         {"path", cuda::path_name(plan->path)},

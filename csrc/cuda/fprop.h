@@ -42,7 +42,7 @@ struct FpropProblem {
   // the epilogue the graph writes z and the activation pass runs out of place. Only with an activation.
   bool keep_preactivation = false;
   // convbias::forward_residual: a residual of y's shape (packed like y) is added before the activation. Its plan is
-  // the graph conv -> [bias ADD] -> residual ADD -> [activation] where that runs (FpropPlan::residual_fused), else
+  // the graph conv -> residual ADD -> [bias ADD] -> [activation] where that runs (FpropPlan::residual_fused), else
   // the ATen path, meaning: forward's own plan for conv + bias, then the add and the activation (cuda_kernels.cpp).
   // Never with keep_preactivation.
   bool has_residual = false;
