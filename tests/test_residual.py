@@ -187,7 +187,7 @@ def check_consistent(info: dict, name: str, bias: bool) -> None:
     residual = info["residual"]
     if residual["fused"]:
         last = {"identity": [], "relu": ["RELU_FWD"], "gelu": ["GELU_FWD"]}[name]
-        assert info["graph_ops"] == ["CONV_FPROP", *(["ADD"] if bias else []), "ADD", *last], info
+        assert info["graph_ops"] == ["CONV_FPROP", "ADD", *(["ADD"] if bias else []), *last], info
         nodes = ["conv", "residual add", *(["bias add"] if bias else []), *last]
         assert residual["how"].startswith("in the cuDNN graph: " + " -> ".join(nodes) + ","), info
     else:
